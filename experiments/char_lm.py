@@ -1,0 +1,50 @@
+r"""Character-level decoder-only Transformer on English prose shipped with Python.
+
+    python -m zoo.main --config=experiments/char_lm.py --workdir=runs/char_lm
+
+The corpus is `pydoc_data.topics` (~465k characters of the Python language reference;
+set --config.data.path=FILE to train on your own UTF-8 text). Each eval prints a sample.
+Expect: see the README's results table for bits per character and wall time on a
+2-core CPU. `:smoke` is a tiny model for a few dozen steps, seconds on a CPU.
+"""
+from zoo.config import base_config
+
+
+def get_config(arg=None):
+  c = base_config()
+  c.model.name = 'transformer_lm'
+  c.model.num_layers = 4
+  c.model.d_model = 128
+  c.model.num_heads = 8          # Split over the 'model' mesh axis: up to 8 ways.
+  c.model.mlp_dim = 512          # Split over the 'model' mesh axis.
+  c.model.max_len = 128
+  c.data.name = 'text'
+  c.data.path = ''               # Empty: Python's bundled docs. Else a UTF-8 text file.
+  c.data.seq_len = 128
+  c.train.steps = 600
+  c.train.batch_size = 32
+  c.train.log_every_steps = 50
+  c.optimizer.learning_rate = 3e-3
+  c.optimizer.warmup_steps = 50
+  c.optimizer.weight_decay = 0.1
+  c.optimizer.b2 = 0.99
+  c.eval.every_steps = 200
+  c.eval.batch_size = 64
+  c.eval.max_batches = 4
+  if arg == 'smoke':
+    c.model.num_layers = 2
+    c.model.d_model = 64
+    c.model.num_heads = 8
+    c.model.mlp_dim = 128
+    c.model.max_len = 32
+    c.data.seq_len = 32
+    c.train.steps = 80
+    c.train.batch_size = 16
+    c.train.log_every_steps = 10
+    c.optimizer.warmup_steps = 5
+    c.eval.every_steps = 40
+    c.eval.batch_size = 16
+    c.eval.max_batches = 2
+  elif arg:
+    raise ValueError(f'unknown variant {arg!r} of char_lm; known: smoke')
+  return c

@@ -1,0 +1,79 @@
+"""Bad input: a one-line error naming the field, non-zero exit, nothing written."""
+import os
+
+import pytest
+
+from conftest import experiment, load_config, run_cli
+from zoo import train
+from zoo.config import ConfigError
+
+BAD_INPUTS = {
+    'unknown model': ({'model.name': 'gpt5'}, r"config\.model\.name: unknown model 'gpt5'; known: mlp, transformer_lm"),
+    'wrong mesh product': ({'mesh.shape': (4, 4)}, r'config\.mesh\.shape: \(4, 4\) needs 16 devices but 8 are present'),
+    'two -1': ({'mesh.shape': (-1, -1)}, r'config\.mesh\.shape: \(-1, -1\) has more than one -1'),
+    'too many sizes': ({'mesh.shape': (4, 2, 1, 1)}, r'config\.mesh\.shape: .* has 4 entries but mesh\.axes'),
+    'rule names missing mesh axis': (
+        {'logical_axis_rules': [('act_batch', 'batch'), ('mlp', 'tensor')]},
+        r"config\.logical_axis_rules: rule \('mlp', 'tensor'\) names mesh axis 'tensor'"),
+    'unknown logical name': ({'logical_axis_rules': [('act_btach', 'batch')]},
+                             r"config\.logical_axis_rules: unknown logical axis 'act_btach'"),
+    'batch not divisible': ({'mesh.shape': (8, 1), 'train.batch_size': 12},
+                            r'config\.train\.batch_size: 12 is not divisible by the 8 shards'),
+    'eval batch not divisible': ({'mesh.shape': (8, 1), 'eval.batch_size': 20},
+                                 r'config\.eval\.batch_size: 20 is not divisible by the 8 shards'),
+    'zero steps': ({'train.steps': 0}, r'config\.train\.steps: must be positive, got 0'),
+    'negative learning rate': ({'optimizer.learning_rate': -0.1},
+                               r'config\.optimizer\.learning_rate: must be positive, got -0\.1'),
+    'model and data disagree': ({'data.name': 'text'}, r"config\.data\.name: model 'mlp' trains on classification"),
+    'param does not split': ({'model.hidden_sizes': (63, 64), 'mesh.shape': (2, 4)},
+                             r'config\.logical_axis_rules: parameter hidden_0/bias of shape \(63,\) has a dimension of 63 split over 4'),
+}
+
+
+@pytest.mark.parametrize('case', sorted(BAD_INPUTS))
+def test_bad_config_names_the_field_and_writes_nothing(case, tmp_path, devices):
+  del devices
+  overrides, message = BAD_INPUTS[case]
+  workdir = tmp_path / 'run'
+  with pytest.raises(ConfigError, match=message):
+    train.train_and_evaluate(load_config('mlp_digits', **overrides), str(workdir))
+  assert not workdir.exists()
+
+
+def test_unwritable_workdir(tmp_path, devices):
+  del devices
+  blocker = tmp_path / 'file'
+  blocker.write_text('not a directory')
+  with pytest.raises(ConfigError, match=r'--workdir: .* cannot be written'):
+    train.train_and_evaluate(load_config('mlp_digits'), str(blocker / 'run'))
+  assert blocker.read_text() == 'not a directory'
+
+
+def test_existing_workdir_is_left_untouched_on_bad_input(tmp_path, devices):
+  del devices
+  (tmp_path / 'keep.txt').write_text('precious')
+  with pytest.raises(ConfigError):
+    train.train_and_evaluate(load_config('mlp_digits', **{'train.steps': -3}), str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == ['keep.txt']
+
+
+@pytest.mark.parametrize('flag,message', [
+    ('--config.mesh.shape=(3,3)', 'zoo: error: config.mesh.shape: (3, 3) needs 9 devices but 8 are present'),
+    ('--config.model.name=resnet9000', "zoo: error: config.model.name: unknown model 'resnet9000'"),
+])
+def test_cli_prints_one_line_and_exits_nonzero(flag, message, tmp_path):
+  workdir = tmp_path / 'run'
+  result = run_cli(f'--config={experiment("mlp_digits")}:smoke', f'--workdir={workdir}', flag)
+  assert result.returncode != 0
+  assert 'Traceback' not in result.stderr
+  assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]
+  assert not workdir.exists()
+
+
+def test_non_finite_loss_stops_with_the_step(tmp_path, devices):
+  del devices
+  config = load_config('mlp_digits', **{
+      'optimizer.name': 'sgd', 'optimizer.learning_rate': 1e12, 'optimizer.grad_clip_norm': 0.0,
+      'optimizer.warmup_steps': 0, 'optimizer.schedule': 'constant', 'train.log_every_steps': 100})
+  with pytest.raises(train.NonFiniteLossError, match=r'non-finite training loss .* at step \d+'):
+    train.train_and_evaluate(config, str(tmp_path))

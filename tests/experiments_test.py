@@ -1,0 +1,51 @@
+"""Each experiment's smoke variant trains end to end and writes its outputs."""
+import glob
+import json
+import os
+
+import pytest
+
+from conftest import load_config, read_metrics
+from zoo import train
+
+EXPERIMENTS = {'mlp_digits': 'eval/accuracy', 'char_lm': 'eval/bits_per_char'}
+
+
+@pytest.mark.parametrize('name', sorted(EXPERIMENTS))
+def test_smoke_trains_and_writes_outputs(name, tmp_path, devices):
+  del devices
+  config = load_config(name, **{'mesh.shape': (4, 2), 'train.log_every_steps': 1})
+  workdir = str(tmp_path / 'run')
+  train.train_and_evaluate(config, workdir)
+
+  rows = read_metrics(workdir)
+  losses = [r['train/loss'] for r in rows if 'train/loss' in r]
+  assert losses[-1] < 0.8 * losses[0], f'loss did not drop: {losses}'
+  last = rows[-1]
+  assert last['step'] == config.train.steps and EXPERIMENTS[name] in last
+  train_row = [r for r in rows if 'train/loss' in r][-1]
+  for key in ('perf/step_time_s', 'perf/examples_per_s', 'train/grad_norm', 'train/param_norm',
+              'train/update_norm', 'train/learning_rate'):
+    assert key in train_row
+  assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
+  with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+    assert json.load(f)['train']['steps'] == config.train.steps
+  with open(os.path.join(workdir, 'model_info.json'), encoding='utf-8') as f:
+    info = json.load(f)
+  assert info['mesh'] == {'batch': 4, 'model': 2}
+  assert {'path', 'shape', 'dtype', 'logical_axes', 'partition_spec'} <= set(info['params'][0])
+
+
+def test_smoke_runs_learn_beyond_chance(tmp_path, devices):
+  del devices
+  train.train_and_evaluate(load_config('mlp_digits'), str(tmp_path / 'mlp'))
+  assert read_metrics(str(tmp_path / 'mlp'))[-1]['eval/accuracy'] > 0.85  # Chance: 0.1.
+  train.train_and_evaluate(load_config('char_lm'), str(tmp_path / 'lm'))
+  # Below the corpus's unigram entropy (4.69 bits): the model uses context.
+  assert read_metrics(str(tmp_path / 'lm'))[-1]['eval/bits_per_char'] < 4.3
+
+
+@pytest.mark.parametrize('name', sorted(EXPERIMENTS))
+def test_unknown_variant_is_rejected(name):
+  with pytest.raises(ValueError, match='known: smoke'):
+    load_config(name, arg='smol')

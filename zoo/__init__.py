@@ -1,0 +1,1 @@
+"""zoo: a Flax (Linen) model zoo with config-driven, sharded experiments."""

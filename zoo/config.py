@@ -1,0 +1,166 @@
+"""The config every experiment starts from, and its validation before anything compiles.
+
+Public keys (a stable contract, see README): model.name and the model's fields,
+data.name, mesh.axes, mesh.shape, logical_axis_rules, train.steps, train.batch_size,
+seed, optimizer.*, eval.every_steps.
+"""
+import math
+import os
+
+import ml_collections
+
+from zoo import data, models, optim, sharding
+
+
+class ConfigError(ValueError):
+  """Bad input: the message names the field and the fix, on one line."""
+
+
+def base_config():
+  """Defaults shared by all experiments; an experiment sets model, data and sizes."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.model = ml_collections.ConfigDict()   # name + the model's constructor fields.
+  c.data = ml_collections.ConfigDict()    # name + the loader's options.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.axes = sharding.MESH_AXES
+  c.mesh.shape = (-1, 1)                  # One entry may be -1: filled from the device count.
+  c.logical_axis_rules = sharding.standard_rules()
+  c.train = ml_collections.ConfigDict()
+  c.train.steps = 1000
+  c.train.batch_size = 128                # Global, over all processes and devices.
+  c.train.log_every_steps = 50
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = 'adamw'              # One of optim.OPTIMIZERS.
+  c.optimizer.learning_rate = 1e-3        # Peak, reached after warmup.
+  c.optimizer.schedule = 'cosine'         # After warmup: constant, cosine or linear decay to 0.
+  c.optimizer.warmup_steps = 0
+  c.optimizer.weight_decay = 0.0          # Decoupled; matrices only.
+  c.optimizer.grad_clip_norm = 1.0        # <= 0 disables clipping.
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.999
+  c.optimizer.momentum = 0.9              # sgd only.
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every_steps = 200                # Also evaluates after the last step.
+  c.eval.batch_size = 128                 # Global; the last batch is padded and masked.
+  c.eval.max_batches = 0                  # 0: the whole eval split.
+  c.eval.sample_temperature = 0.8         # LM only: the sample printed at each eval; 0 is greedy.
+  return c
+
+
+def _fail(field, message):
+  raise ConfigError(f'config.{field}: {message}')
+
+
+def validate(config, num_devices):
+  """Raises ConfigError on the first bad field; needs only the config and device count."""
+  if config.model.get('name') not in models.MODELS:
+    _fail('model.name', f'unknown model {config.model.get("name")!r}; known: {", ".join(models.MODELS)}')
+  if config.data.get('name') not in data.DATASETS:
+    _fail('data.name', f'unknown dataset {config.data.get("name")!r}; known: {", ".join(data.DATASETS)}')
+  _validate_mesh(config.mesh, num_devices)
+  _validate_rules(config.logical_axis_rules, config.mesh.axes)
+  _, task = models.MODELS[config.model.name]
+  data_task = data.DATASETS[config.data.name]
+  if task != data_task:
+    _fail('data.name', f'model {config.model.name!r} trains on {task} data but '
+          f'{config.data.name!r} is {data_task} data; pick a matching model or dataset')
+  if config.model.name == 'transformer_lm':
+    if config.model.d_model % config.model.num_heads:
+      _fail('model.num_heads', f'{config.model.num_heads} does not divide '
+            f'model.d_model={config.model.d_model}')
+    if config.model.max_len < config.data.seq_len:
+      _fail('model.max_len', f'{config.model.max_len} is shorter than data.seq_len={config.data.seq_len}')
+  for field in ('train.steps', 'train.batch_size', 'train.log_every_steps',
+                'eval.every_steps', 'eval.batch_size'):
+    group, key = field.split('.')
+    if config[group][key] <= 0:
+      _fail(field, f'must be positive, got {config[group][key]}')
+  if not config.optimizer.learning_rate > 0:
+    _fail('optimizer.learning_rate', f'must be positive, got {config.optimizer.learning_rate}')
+  if config.optimizer.name not in optim.OPTIMIZERS:
+    _fail('optimizer.name', f'unknown optimizer {config.optimizer.name!r}; known: {", ".join(optim.OPTIMIZERS)}')
+  if config.optimizer.schedule not in optim.SCHEDULES:
+    _fail('optimizer.schedule', f'unknown schedule {config.optimizer.schedule!r}; '
+          f'known: {", ".join(optim.SCHEDULES)}')
+  shape = sharding.resolve_mesh_shape(config.mesh.shape, num_devices)
+  batch_shards = math.prod(shape[config.mesh.axes.index(a)] for a in batch_mesh_axes(config))
+  for field in ('train.batch_size', 'eval.batch_size'):
+    group, key = field.split('.')
+    if config[group][key] % batch_shards:
+      _fail(field, f'{config[group][key]} is not divisible by the {batch_shards} shards of the '
+            f'batch (mesh axes {batch_mesh_axes(config)}); use a multiple of {batch_shards}')
+
+
+def batch_mesh_axes(config):
+  """The mesh axes that the rules map 'act_batch' onto, as a tuple."""
+  return sharding.mesh_axes_of(dict(config.logical_axis_rules).get('act_batch'))
+
+
+def _validate_mesh(mesh, num_devices):
+  shape, axes = tuple(mesh.shape), tuple(mesh.axes)
+  if len(shape) != len(axes):
+    _fail('mesh.shape', f'{shape} has {len(shape)} entries but mesh.axes {axes} has {len(axes)}; '
+          'give one size per axis (repeating --config.mesh.shape concatenates the tuples)')
+  if 'batch' not in axes or len(set(axes)) != len(axes):
+    _fail('mesh.axes', f'{axes} must name distinct axes including "batch"')
+  if shape.count(-1) > 1:
+    _fail('mesh.shape', f'{shape} has more than one -1; at most one axis size can be inferred')
+  if any(s == 0 or s < -1 for s in shape):
+    _fail('mesh.shape', f'{shape} has a size that is neither positive nor -1')
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape and num_devices % known:
+    _fail('mesh.shape', f'{shape}: {num_devices} devices do not divide by {known}; '
+          f'make the other sizes divide {num_devices}')
+  if -1 not in shape and known != num_devices:
+    _fail('mesh.shape', f'{shape} needs {known} devices but {num_devices} are present; '
+          f'make the product {num_devices} or put -1 for one axis')
+
+
+def _validate_rules(rules, mesh_axes):
+  for rule in rules:
+    if len(rule) != 2:
+      _fail('logical_axis_rules', f'{tuple(rule)} is not a (logical name, mesh axis or None) pair')
+    name, axis = rule
+    if name not in sharding.LOGICAL_AXES:
+      _fail('logical_axis_rules', f'unknown logical axis {name!r}; known: {", ".join(sharding.LOGICAL_AXES)}')
+    for a in sharding.mesh_axes_of(axis):
+      if a not in mesh_axes:
+        _fail('logical_axis_rules', f'rule ({name!r}, {axis!r}) names mesh axis {a!r}, '
+              f'but the mesh axes are {tuple(mesh_axes)}')
+
+
+def validate_with_data(config, dataset):
+  if config.train.batch_size > dataset.num_train:
+    _fail('train.batch_size', f'{config.train.batch_size} exceeds the {dataset.num_train} '
+          f'training examples of {config.data.name!r}')
+
+
+def validate_shardings(param_rows, mesh, rules):
+  """Every parameter axis has a rule, and each sharded dimension divides over its mesh axes."""
+  ruled = {name for name, _ in rules}
+  for row in param_rows:
+    for name in row['logical_axes']:
+      if name is not None and name not in ruled:
+        _fail('logical_axis_rules', f'parameter {row["path"]} uses logical axis {name!r} that no rule '
+              f'maps; add ({name!r}, None) or ({name!r}, <mesh axis>)')
+    for dim, entry, shard in zip(row['shape'], row['partition_spec'], row['shard_shape']):
+      if shard is None:
+        axes = sharding.mesh_axes_of(entry)
+        shards = math.prod(mesh.shape[a] for a in axes)
+        _fail('logical_axis_rules', f'parameter {row["path"]} of shape {tuple(row["shape"])} '
+              f'has a dimension of {dim} split over {shards} devices {axes}; '
+              'change the model size, the mesh shape or the rule')
+
+
+def check_workdir(workdir):
+  """Fails if `workdir` cannot be created or written, without creating anything."""
+  path = os.path.abspath(workdir)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ConfigError(f'--workdir: {workdir} exists and is not a directory; pick another path')
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+    raise ConfigError(f'--workdir: {workdir} cannot be written ({existing} is not a writable '
+                      'directory); pick a writable path')

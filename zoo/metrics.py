@@ -1,0 +1,49 @@
+"""Scalar metrics to `metrics.jsonl`, TensorBoard event files and the console."""
+import json
+import os
+
+from absl import logging
+
+
+class MetricWriter:
+  """Writes one row per call; only the process given `active=True` writes anything."""
+
+  def __init__(self, workdir, active):
+    self._active = active
+    if active:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+      self._tb = SummaryWriter(logdir=workdir, flush_secs=10)
+
+  def write(self, step, scalars):
+    if not self._active:
+      return
+    row = {'step': int(step), **{k: float(v) for k, v in scalars.items()}}
+    self._jsonl.write(json.dumps(row) + '\n')
+    self._jsonl.flush()
+    for name, value in row.items():
+      if name != 'step':
+        self._tb.add_scalar(name, value, global_step=row['step'])
+
+  def text(self, step, name, text):
+    if self._active:
+      self._tb.add_text(name, text, global_step=int(step))
+
+  def close(self):
+    if self._active:
+      self._jsonl.close()
+      self._tb.close()
+
+
+def format_duration(seconds):
+  seconds = int(round(seconds))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f'{h}h{m:02d}m{s:02d}s' if h else f'{m}m{s:02d}s' if m else f'{s}s'
+
+
+def log_progress(step, total_steps, scalars, seconds_left):
+  """The console line: step, loss, throughput, ETA."""
+  logging.info('step %d/%d  loss %.4f  %.4f s/step  %.1f examples/s  ETA %s',
+               step, total_steps, scalars['train/loss'], scalars['perf/step_time_s'],
+               scalars['perf/examples_per_s'], format_duration(seconds_left))

@@ -1,0 +1,198 @@
+"""Sharded training and evaluation: validate -> mesh -> data -> state -> loop."""
+import functools
+import itertools
+import json
+import math
+import os
+import time
+
+from absl import logging
+import flax.linen as nn
+from flax.training import train_state
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zoo import config as cfg
+from zoo import data, metrics, models, optim, sharding
+from zoo.models import transformer_lm
+
+TrainState = train_state.TrainState
+
+
+class NonFiniteLossError(FloatingPointError):
+  """The training loss became NaN or infinite."""
+
+
+def train_step(state, batch):
+  """One optimizer step on a global batch; returns the new state and scalar metrics."""
+  def loss_fn(params):
+    logits = state.apply_fn({'params': params}, batch['inputs'])
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch['targets']).mean()
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  return new_state, {
+      'train/loss': loss,
+      'train/grad_norm': optax.tree.norm(grads),
+      'train/param_norm': optax.tree.norm(params),
+      'train/update_norm': optax.tree.norm(updates),
+  }
+
+
+def eval_step(state, batch):
+  """Sums of loss, correct predictions and weight over a batch (per token for an LM)."""
+  logits = state.apply_fn({'params': state.params}, batch['inputs']).astype(jnp.float32)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
+  weights = jnp.broadcast_to(
+      batch['weights'].reshape(batch['weights'].shape + (1,) * (loss.ndim - 1)), loss.shape)
+  correct = jnp.argmax(logits, axis=-1) == batch['targets']
+  return {'loss': (loss * weights).sum(), 'correct': (correct * weights).sum(),
+          'weight': weights.sum()}
+
+
+def abstract_state(model, tx, inputs, rng):
+  """The train state's shapes with nn.Partitioned boxes holding the logical axis names."""
+  def init(rng):
+    params = model.init(rng, inputs)['params']
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  return init, jax.eval_shape(init, rng)
+
+
+def create_train_state(init, rng, state_shardings):
+  """Initialises the state directly into its shards: never materialised replicated."""
+  return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=state_shardings)(rng)
+
+
+def jit_steps(state_shardings, batch_sharding):
+  """The jitted train step (state donated) and eval step, with explicit shardings."""
+  p_train = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+                    out_shardings=(state_shardings, None), donate_argnums=0)
+  p_eval = jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding))
+  return p_train, p_eval
+
+
+def evaluate(p_eval, state, dataset, config, batch_sharding, task):
+  """Loss and accuracy over the eval split (per character for an LM, plus bits per char)."""
+  size = config.eval.batch_size
+  rows = data.process_rows(batch_sharding, size)
+  sums = None
+  for local in itertools.islice(dataset.eval_batches(size, rows), config.eval.max_batches or None):
+    out = p_eval(state, data.to_global(local, batch_sharding, size))
+    sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
+  sums = jax.device_get(sums)
+  loss = float(sums['loss'] / sums['weight'])
+  result = {'eval/loss': loss, 'eval/accuracy': float(sums['correct'] / sums['weight'])}
+  if task == 'lm':
+    result['eval/bits_per_char'] = loss / math.log(2)
+  return result
+
+
+def make_sampler(model, dataset, config, mesh):
+  """A function params -> text continuing a held-out prompt, same on every process."""
+  tokens = next(iter(dataset.eval_batches(1, slice(0, 1))))['inputs']  # [1, seq_len]
+  prompt_len = tokens.shape[1] // 4
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  gen = jax.jit(functools.partial(transformer_lm.generate, model.apply, prompt_len=prompt_len,
+                                  temperature=config.eval.sample_temperature),
+                out_shardings=replicated)
+
+  def sample(params, step):
+    out = np.asarray(gen(params, tokens, rng=jax.random.fold_in(jax.random.key(config.seed), step)))
+    return dataset.decode(out[0, :prompt_len]), dataset.decode(out[0, prompt_len:])
+  return sample
+
+
+def _write_json(workdir, name, obj):
+  with open(os.path.join(workdir, name), 'w', encoding='utf-8') as f:
+    f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
+
+
+def train_and_evaluate(config, workdir):
+  """Trains `config`'s model in `workdir`; bad input raises ConfigError before any write."""
+  cfg.validate(config, jax.device_count())
+  cfg.check_workdir(workdir)
+  dataset = data.load(config.data, config.seed)
+  cfg.validate_with_data(config, dataset)
+  task = data.DATASETS[config.data.name]
+
+  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
+  rules = [tuple(r) for r in config.logical_axis_rules]
+  model = models.build(config.model, **dataset.model_fields)
+  tx, lr_schedule = optim.make_optimizer(config.train.steps, **config.optimizer)
+  batch_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(cfg.batch_mesh_axes(config) or None))
+  batch_size, total_steps = config.train.batch_size, config.train.steps
+  rows = data.process_rows(batch_sharding, batch_size)
+  rng = jax.random.key(config.seed)
+  is_main = jax.process_index() == 0
+
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    example = dataset.train_batch(0, batch_size, slice(0, 1))['inputs']
+    init, boxed = abstract_state(model, tx, jnp.zeros(example.shape, example.dtype), rng)
+    table = sharding.param_table(boxed.params, mesh, rules)
+    cfg.validate_shardings(table, mesh, rules)
+
+    # Validation is over: from here on the workdir is written.
+    if is_main:
+      os.makedirs(workdir, exist_ok=True)
+      _write_json(workdir, 'config.json', config.to_json_best_effort(indent=2))
+      _write_json(workdir, 'model_info.json', {'mesh': dict(mesh.shape), 'params': table})
+    logging.info('mesh %s; config:\n%s', dict(mesh.shape), config)
+    logging.info('parameters:\n%s', sharding.format_param_table(table))
+
+    state_shardings = sharding.logical_shardings(boxed, mesh, rules)
+    state = create_train_state(init, rng, state_shardings)
+    p_train, p_eval = jit_steps(state_shardings, batch_sharding)
+    sample = make_sampler(model, dataset, config, mesh) if task == 'lm' else None
+    writer = metrics.MetricWriter(workdir, is_main)
+
+    def get_batch(step):
+      return data.to_global(dataset.train_batch(step, batch_size, rows), batch_sharding, batch_size)
+
+    t0 = time.perf_counter()
+    p_train = p_train.lower(state, get_batch(0)).compile()
+    logging.info('compiled the train step in %.1f s', time.perf_counter() - t0)
+
+    timer = {'time': time.perf_counter(), 'step': int(state.step)}
+
+    def report(step, device_metrics):
+      """Runs a step late, so fetching metrics never stalls dispatch."""
+      scalars = jax.device_get(device_metrics)
+      if not np.isfinite(scalars['train/loss']):
+        raise NonFiniteLossError(f'non-finite training loss {scalars["train/loss"]} at step {step}; '
+                                 'lower optimizer.learning_rate or enable optimizer.grad_clip_norm')
+      if step % config.train.log_every_steps and step != total_steps:
+        return
+      now = time.perf_counter()
+      step_time = (now - timer['time']) / max(step - timer['step'], 1)
+      scalars.update({'train/learning_rate': lr_schedule(step - 1), 'perf/step_time_s': step_time,
+                      'perf/examples_per_s': batch_size / step_time})
+      writer.write(step, scalars)
+      metrics.log_progress(step, total_steps, scalars, step_time * (total_steps - step))
+      timer.update(time=time.perf_counter(), step=step)
+
+    pending = None
+    for step in range(int(state.step), total_steps):
+      state, step_metrics = p_train(state, get_batch(step))
+      if pending:
+        report(*pending)
+      pending = (step + 1, step_metrics)
+      if (step + 1) % config.eval.every_steps == 0 or step + 1 == total_steps:
+        report(*pending)
+        pending = None
+        result = evaluate(p_eval, state, dataset, config, batch_sharding, task)
+        writer.write(step + 1, result)
+        logging.info('eval at step %d: %s', step + 1,
+                     '  '.join(f'{k} {v:.4f}' for k, v in result.items()))
+        if sample:
+          prompt, text = sample(state.params, step + 1)
+          logging.info('sample at step %d: %r -> %r', step + 1, prompt, text)
+          writer.text(step + 1, 'eval/sample', prompt + ' -> ' + text)
+        timer.update(time=time.perf_counter(), step=step + 1)
+    writer.close()
+  return state
