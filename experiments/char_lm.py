@@ -4,8 +4,9 @@ r"""Character-level decoder-only Transformer on English prose shipped with Pytho
 
 The corpus is `pydoc_data.topics` (~465k characters of the Python language reference;
 set --config.data.path=FILE to train on your own UTF-8 text). Each eval prints a sample.
-Expect: see the README's results table for bits per character and wall time on a
-2-core CPU. `:smoke` is a tiny model for a few dozen steps, seconds on a CPU.
+Expect: 2.22 held-out bits per character (the corpus's unigram entropy is 4.69) after
+600 steps, about 6 minutes on a 2-core CPU (one device, whole command); the samples turn
+from spaces to word-like text with code punctuation. `:smoke`: seconds, ~4 bits/char.
 """
 from zoo.config import base_config
 
