@@ -32,6 +32,7 @@ def get_config(arg=None):
   c.eval.every_steps = 200
   c.eval.batch_size = 64
   c.eval.max_batches = 4
+  c.checkpoint.every_steps = 200
   if arg == 'smoke':
     c.model.num_layers = 2
     c.model.d_model = 64
@@ -46,6 +47,7 @@ def get_config(arg=None):
     c.eval.every_steps = 40
     c.eval.batch_size = 16
     c.eval.max_batches = 2
+    c.checkpoint.every_steps = 40
   elif arg:
     raise ValueError(f'unknown variant {arg!r} of char_lm; known: smoke')
   return c

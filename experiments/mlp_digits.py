@@ -21,6 +21,7 @@ def get_config(arg=None):
   c.optimizer.weight_decay = 1e-4
   c.eval.every_steps = 250
   c.eval.batch_size = 120
+  c.checkpoint.every_steps = 250
   if arg == 'smoke':
     c.model.hidden_sizes = (64, 64)
     c.train.steps = 60
@@ -28,6 +29,7 @@ def get_config(arg=None):
     c.optimizer.learning_rate = 3e-3
     c.optimizer.warmup_steps = 5
     c.eval.every_steps = 30
+    c.checkpoint.every_steps = 30
   elif arg:
     raise ValueError(f'unknown variant {arg!r} of mlp_digits; known: smoke')
   return c

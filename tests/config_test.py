@@ -1,5 +1,6 @@
 """Bad input: a one-line error naming the field, non-zero exit, nothing written."""
 import os
+import re
 
 import pytest
 
@@ -70,10 +71,15 @@ def test_cli_prints_one_line_and_exits_nonzero(flag, message, tmp_path):
   assert not workdir.exists()
 
 
-def test_non_finite_loss_stops_with_the_step(tmp_path, devices):
+def test_non_finite_loss_stops_with_the_step_and_is_never_saved(tmp_path, devices):
   del devices
   config = load_config('mlp_digits', **{
       'optimizer.name': 'sgd', 'optimizer.learning_rate': 1e12, 'optimizer.grad_clip_norm': 0.0,
-      'optimizer.warmup_steps': 0, 'optimizer.schedule': 'constant', 'train.log_every_steps': 100})
-  with pytest.raises(train.NonFiniteLossError, match=r'non-finite training loss .* at step \d+'):
+      'optimizer.warmup_steps': 0, 'optimizer.schedule': 'constant', 'train.log_every_steps': 100,
+      'checkpoint.every_steps': 1})
+  with pytest.raises(train.NonFiniteLossError,
+                     match=r'non-finite train/(loss|param_norm) \S+ at step (\d+)') as error:
     train.train_and_evaluate(config, str(tmp_path))
+  bad_step = int(re.search(r'at step (\d+)', str(error.value)).group(1))
+  saved = [int(s) for s in os.listdir(tmp_path / 'checkpoints') if s.isdigit()]
+  assert all(s < bad_step for s in saved), (saved, bad_step)

@@ -45,6 +45,12 @@ def base_config():
   c.eval.batch_size = 128                 # Global; the last batch is padded and masked.
   c.eval.max_batches = 0                  # 0: the whole eval split.
   c.eval.sample_temperature = 0.8         # LM only: the sample printed at each eval; 0 is greedy.
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every_steps = 1000         # Also saved after the last step and on SIGTERM.
+  c.checkpoint.keep = 3                   # Newest complete checkpoints kept in workdir/checkpoints.
+  c.checkpoint.async_save = True          # Write in the background while training goes on.
+  c.checkpoint.init_from = ''             # A run's workdir or checkpoints/ dir: start from its params.
+  c.checkpoint.fallback = False           # If the newest checkpoint is damaged, resume from an older one.
   return c
 
 
@@ -72,7 +78,7 @@ def validate(config, num_devices):
     if config.model.max_len < config.data.seq_len:
       _fail('model.max_len', f'{config.model.max_len} is shorter than data.seq_len={config.data.seq_len}')
   for field in ('train.steps', 'train.batch_size', 'train.log_every_steps',
-                'eval.every_steps', 'eval.batch_size'):
+                'eval.every_steps', 'eval.batch_size', 'checkpoint.every_steps', 'checkpoint.keep'):
     group, key = field.split('.')
     if config[group][key] <= 0:
       _fail(field, f'must be positive, got {config[group][key]}')

@@ -8,6 +8,7 @@ import jax
 from ml_collections import config_flags
 
 from zoo import train
+from zoo.checkpoint import CheckpointError
 from zoo.config import ConfigError
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment file, e.g. experiments/char_lm.py:smoke.')
@@ -28,7 +29,7 @@ def main(argv):
                jax.device_count(), jax.devices())
   try:
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (ConfigError, train.NonFiniteLossError) as e:
+  except (ConfigError, CheckpointError, train.NonFiniteLossError) as e:
     sys.exit(f'zoo: error: {e}')
 
 

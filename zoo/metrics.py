@@ -6,14 +6,25 @@ from absl import logging
 
 
 class MetricWriter:
-  """Writes one row per call; only the process given `active=True` writes anything."""
+  """Writes one row per call; only the process given `active=True` writes anything.
 
-  def __init__(self, workdir, active):
+  A run starting at `start_step` (0, or the checkpoint it resumed from) first drops the
+  rows that a killed predecessor logged after that step, so each step appears once in
+  metrics.jsonl and in TensorBoard.
+  """
+
+  def __init__(self, workdir, active, start_step):
     self._active = active
     if active:
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-      self._jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
-      self._tb = SummaryWriter(logdir=workdir, flush_secs=10)
+      path = os.path.join(workdir, 'metrics.jsonl')
+      if os.path.exists(path):
+        with open(path, encoding='utf-8') as f:
+          rows = [line for line in f if line.strip() and json.loads(line)['step'] <= start_step]
+        with open(path, 'w', encoding='utf-8') as f:
+          f.writelines(rows)
+      self._jsonl = open(path, 'a', encoding='utf-8')
+      self._tb = SummaryWriter(logdir=workdir, flush_secs=10, purge_step=start_step + 1)
 
   def write(self, step, scalars):
     if not self._active:

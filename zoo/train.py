@@ -15,7 +15,7 @@ import numpy as np
 import optax
 
 from zoo import config as cfg
-from zoo import data, metrics, models, optim, sharding
+from zoo import checkpoint, data, metrics, models, optim, sharding
 from zoo.models import transformer_lm
 
 TrainState = train_state.TrainState
@@ -112,8 +112,31 @@ def _write_json(workdir, name, obj):
     f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
 
 
+def initial_state(config, manager, init, state_shardings, rng):
+  """Resumes from the newest checkpoint in the workdir, else warm-starts or initialises.
+
+  Restores read straight into the current shardings, whatever mesh wrote the checkpoint.
+  """
+  model_state = jax.eval_shape(lambda r: nn.meta.unbox(init(r)), rng)
+  target = checkpoint.abstract_target(checkpoint.saved_tree(model_state),
+                                      checkpoint.saved_tree(state_shardings))
+  restored, step = checkpoint.restore_latest(manager, target, config.checkpoint.fallback)
+  if restored is not None:
+    logging.info('resuming from step %d of %s', step, manager.directory)
+    return model_state.replace(**restored)
+  state = create_train_state(init, rng, state_shardings)
+  if config.checkpoint.init_from:
+    params, step, source = checkpoint.restore_params(config.checkpoint.init_from, target['params'])
+    logging.info('initialised params from step %d of %s (optimizer state fresh)', step, source)
+    state = state.replace(params=params)
+  return state
+
+
 def train_and_evaluate(config, workdir):
-  """Trains `config`'s model in `workdir`; bad input raises ConfigError before any write."""
+  """Trains `config`'s model in `workdir`, resuming from its checkpoints if there are any.
+
+  Bad input raises ConfigError before anything is written.
+  """
   cfg.validate(config, jax.device_count())
   cfg.check_workdir(workdir)
   dataset = data.load(config.data, config.seed)
@@ -136,36 +159,41 @@ def train_and_evaluate(config, workdir):
     init, boxed = abstract_state(model, tx, jnp.zeros(example.shape, example.dtype), rng)
     table = sharding.param_table(boxed.params, mesh, rules)
     cfg.validate_shardings(table, mesh, rules)
+    state_shardings = sharding.logical_shardings(boxed, mesh, rules)
 
-    # Validation is over: from here on the workdir is written.
+    # The config is valid: from here on the workdir is written. A checkpoint that does not
+    # fit still fails before any file but checkpoints/ (left as it was) is touched.
+    manager = checkpoint.make_manager(workdir, config.checkpoint.keep, config.checkpoint.async_save)
+    state = initial_state(config, manager, init, state_shardings, rng)
+    start_step = int(state.step)
     if is_main:
-      os.makedirs(workdir, exist_ok=True)
       _write_json(workdir, 'config.json', config.to_json_best_effort(indent=2))
       _write_json(workdir, 'model_info.json', {'mesh': dict(mesh.shape), 'params': table})
     logging.info('mesh %s; config:\n%s', dict(mesh.shape), config)
     logging.info('parameters:\n%s', sharding.format_param_table(table))
 
-    state_shardings = sharding.logical_shardings(boxed, mesh, rules)
-    state = create_train_state(init, rng, state_shardings)
     p_train, p_eval = jit_steps(state_shardings, batch_sharding)
     sample = make_sampler(model, dataset, config, mesh) if task == 'lm' else None
-    writer = metrics.MetricWriter(workdir, is_main)
+    writer = metrics.MetricWriter(workdir, is_main, start_step)
+    stop = checkpoint.StopRequest(manager)
 
     def get_batch(step):
       return data.to_global(dataset.train_batch(step, batch_size, rows), batch_sharding, batch_size)
 
     t0 = time.perf_counter()
-    p_train = p_train.lower(state, get_batch(0)).compile()
+    p_train = p_train.lower(state, get_batch(start_step)).compile()
     logging.info('compiled the train step in %.1f s', time.perf_counter() - t0)
 
-    timer = {'time': time.perf_counter(), 'step': int(state.step)}
+    timer = {'time': time.perf_counter(), 'step': start_step}
 
     def report(step, device_metrics):
       """Runs a step late, so fetching metrics never stalls dispatch."""
       scalars = jax.device_get(device_metrics)
-      if not np.isfinite(scalars['train/loss']):
-        raise NonFiniteLossError(f'non-finite training loss {scalars["train/loss"]} at step {step}; '
-                                 'lower optimizer.learning_rate or enable optimizer.grad_clip_norm')
+      for name in ('train/loss', 'train/param_norm'):
+        if not np.isfinite(scalars[name]):
+          raise NonFiniteLossError(
+              f'non-finite {name} {scalars[name]} at step {step}; nothing was checkpointed after '
+              'it. Lower optimizer.learning_rate or enable optimizer.grad_clip_norm')
       if step % config.train.log_every_steps and step != total_steps:
         return
       now = time.perf_counter()
@@ -177,22 +205,37 @@ def train_and_evaluate(config, workdir):
       timer.update(time=time.perf_counter(), step=step)
 
     pending = None
-    for step in range(int(state.step), total_steps):
-      state, step_metrics = p_train(state, get_batch(step))
-      if pending:
-        report(*pending)
-      pending = (step + 1, step_metrics)
-      if (step + 1) % config.eval.every_steps == 0 or step + 1 == total_steps:
-        report(*pending)
-        pending = None
-        result = evaluate(p_eval, state, dataset, config, batch_sharding, task)
-        writer.write(step + 1, result)
-        logging.info('eval at step %d: %s', step + 1,
-                     '  '.join(f'{k} {v:.4f}' for k, v in result.items()))
-        if sample:
-          prompt, text = sample(state.params, step + 1)
-          logging.info('sample at step %d: %r -> %r', step + 1, prompt, text)
-          writer.text(step + 1, 'eval/sample', prompt + ' -> ' + text)
-        timer.update(time=time.perf_counter(), step=step + 1)
-    writer.close()
+    try:
+      for step in range(start_step, total_steps):
+        state, step_metrics = p_train(state, get_batch(step))
+        if pending:
+          report(*pending)
+        pending, done = (step + 1, step_metrics), step + 1
+        preempted = stop(done)
+        eval_due = done % config.eval.every_steps == 0 or done == total_steps
+        save_due = done % config.checkpoint.every_steps == 0 or done == total_steps or preempted
+        if eval_due or save_due:
+          report(*pending)  # Raises on a non-finite state, so it is never saved.
+          pending = None
+        if save_due:
+          manager.save(done, args=checkpoint.ocp.args.StandardSave(checkpoint.saved_tree(state)),
+                       force=True)
+        if preempted:
+          logging.warning('stop requested (SIGTERM or preemption) at step %d: saved, exiting', done)
+          break
+        if eval_due:
+          result = evaluate(p_eval, state, dataset, config, batch_sharding, task)
+          writer.write(done, result)
+          logging.info('eval at step %d: %s', done,
+                       '  '.join(f'{k} {v:.4f}' for k, v in result.items()))
+          if sample:
+            prompt, text = sample(state.params, done)
+            logging.info('sample at step %d: %r -> %r', done, prompt, text)
+            writer.text(done, 'eval/sample', prompt + ' -> ' + text)
+          timer.update(time=time.perf_counter(), step=done)
+    finally:
+      stop.close()
+      manager.wait_until_finished()
+      manager.close()
+      writer.close()
   return state

@@ -1,0 +1,189 @@
+"""Checkpoints: resume equals a straight run, on any mesh, after any kill; strictness."""
+import hashlib
+import os
+import re
+import shutil
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import experiment, load_config, read_metrics, run_cli
+from zoo import checkpoint, data, models, optim, sharding, train
+
+N = 6  # Steps before the stop; the runs go to 2N.
+
+
+def _config(**overrides):
+  return load_config('mlp_digits', **{
+      'train.steps': 2 * N, 'train.log_every_steps': 1, 'eval.every_steps': 2 * N,
+      'checkpoint.every_steps': N, 'mesh.shape': (4, 2), **overrides})
+
+
+def _losses(workdir):
+  return {r['step']: r['train/loss'] for r in read_metrics(workdir) if 'train/loss' in r}
+
+
+def _restore(workdir, config, step=None):
+  """The checkpointed tree of `workdir` restored onto `config`'s mesh, as numpy."""
+  dataset = data.load(config.data, config.seed)
+  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
+  rules = [tuple(r) for r in config.logical_axis_rules]
+  model = models.build(config.model, **dataset.model_fields)
+  tx, _ = optim.make_optimizer(config.train.steps, **config.optimizer)
+  inputs = jnp.zeros((1, 8, 8, 1))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    init, boxed = train.abstract_state(model, tx, inputs, jax.random.key(0))
+    shardings = sharding.logical_shardings(boxed, mesh, rules)
+    abstract = jax.eval_shape(lambda r: nn.meta.unbox(init(r)), jax.random.key(0))
+    target = checkpoint.abstract_target(checkpoint.saved_tree(abstract), checkpoint.saved_tree(shardings))
+    manager = checkpoint.make_manager(workdir, 10, False)
+    step = manager.latest_step() if step is None else step
+    tree = manager.restore(step, args=checkpoint.ocp.args.StandardRestore(target))
+    manager.close()
+  for leaf, want in zip(jax.tree.leaves(tree), jax.tree.leaves(checkpoint.saved_tree(shardings))):
+    assert leaf.sharding.is_equivalent_to(want, leaf.ndim)  # Restored into the current mesh.
+  return jax.tree.map(np.asarray, tree)
+
+
+def _assert_trees_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+def _stop_at(monkeypatch, stop_step):
+  """Makes the run behave as if SIGTERM arrived during step `stop_step`."""
+  original = checkpoint.StopRequest.__call__
+  monkeypatch.setattr(checkpoint.StopRequest, '__call__',
+                      lambda self, step: step == stop_step or original(self, step))
+
+
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory):
+  """A run of 2N steps that never stopped, checkpointed at N and 2N."""
+  workdir = str(tmp_path_factory.mktemp('straight'))
+  train.train_and_evaluate(_config(), workdir)
+  return workdir
+
+
+def test_stop_and_resume_is_bit_identical(straight, tmp_path, monkeypatch, devices):
+  del devices
+  workdir = str(tmp_path)
+  _stop_at(monkeypatch, N - 2)
+  train.train_and_evaluate(_config(), workdir)
+  assert sorted(_losses(workdir)) == list(range(1, N - 1))
+  monkeypatch.undo()
+  train.train_and_evaluate(_config(), workdir)
+  assert _losses(workdir) == _losses(straight)  # Exact float equality, every step once.
+  _assert_trees_equal(_restore(workdir, _config()), _restore(straight, _config()))
+
+
+@pytest.mark.parametrize('shape', [(2, 4), (8, 1), (1, 8)])
+def test_resume_on_another_mesh(straight, shape, tmp_path, devices):
+  del devices
+  workdir = str(tmp_path)
+  shutil.copytree(os.path.join(straight, 'checkpoints', str(N)),
+                  os.path.join(workdir, 'checkpoints', str(N)))
+  # The saved state, restored onto the new mesh, equals it exactly.
+  _assert_trees_equal(_restore(workdir, _config(**{'mesh.shape': shape})),
+                      _restore(straight, _config(), step=N))
+  train.train_and_evaluate(_config(**{'mesh.shape': shape}), workdir)
+  resumed, reference = _losses(workdir), _losses(straight)
+  assert sorted(resumed) == list(range(N + 1, 2 * N + 1))
+  np.testing.assert_allclose([resumed[s] for s in sorted(resumed)],
+                             [reference[s] for s in sorted(resumed)], rtol=2e-5)
+
+
+def test_eight_devices_to_one_and_back(straight, tmp_path):
+  one = tmp_path / 'one'
+  shutil.copytree(os.path.join(straight, 'checkpoints', str(N)), one / 'checkpoints' / str(N))
+  args = [f'--config={experiment("mlp_digits")}:smoke', f'--config.train.steps={2 * N + 3}',
+          '--config.train.log_every_steps=1', f'--config.checkpoint.every_steps={N}']
+  result = run_cli(*args, f'--workdir={one}', '--config.mesh.shape=(1,1)', devices=1)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'resuming from step 6' in result.stderr
+  # ...and back onto 8 devices, from the checkpoint that one device wrote.
+  result = run_cli(*args[:1], f'--config.train.steps={2 * N + 5}', *args[2:], f'--workdir={one}',
+                   '--config.mesh.shape=(2,4)', devices=8)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f'resuming from step {2 * N + 3}' in result.stderr
+  assert max(_losses(str(one))) == 2 * N + 5
+
+
+def _digest(directory):
+  h = hashlib.sha256()
+  for root, dirs, files in sorted(os.walk(directory)):
+    dirs.sort()
+    for name in sorted(files):
+      path = os.path.join(root, name)
+      h.update(path.encode())
+      with open(path, 'rb') as f:
+        h.update(f.read())
+  return h.hexdigest()
+
+
+def test_mismatched_model_lists_paths_and_touches_nothing(straight, tmp_path, devices):
+  del devices
+  workdir = tmp_path / 'run'
+  shutil.copytree(straight, workdir)
+  before = _digest(workdir)
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=r'does not match .* params\.hidden_1\.kernel: checkpoint \(64, 64\) vs '
+                           r'config \(64, 32\)'):
+    train.train_and_evaluate(_config(**{'model.hidden_sizes': (64, 32)}), str(workdir))
+  with pytest.raises(checkpoint.CheckpointError, match=r'params\.hidden_2\.kernel: missing'):
+    train.train_and_evaluate(_config(**{'model.hidden_sizes': (64, 64, 64)}), str(workdir))
+  assert _digest(workdir) == before
+
+
+def _damage(step_dir, how):
+  files = sorted((os.path.getsize(os.path.join(r, f)), os.path.join(r, f))
+                 for r, _, fs in os.walk(step_dir) for f in fs if os.sep + 'd' + os.sep in os.path.join(r, f))
+  _, biggest = files[-1]
+  if how == 'truncate':
+    with open(biggest, 'r+b') as f:
+      f.truncate(os.path.getsize(biggest) // 2)
+  else:
+    os.remove(biggest)
+
+
+@pytest.mark.parametrize('how', ['truncate', 'delete'])
+def test_damaged_checkpoint_fails_clearly_or_falls_back(straight, how, tmp_path, devices):
+  del devices
+  workdir = str(tmp_path)
+  shutil.copytree(straight, workdir, dirs_exist_ok=True)
+  _damage(os.path.join(workdir, 'checkpoints', str(2 * N)), how)
+  config = _config()
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=rf'checkpoint step {2 * N} .* is damaged .*checkpoint\.fallback=True '
+                           rf'to resume from step {N}'):
+    train.train_and_evaluate(config, workdir)
+  config.checkpoint.fallback = True
+  train.train_and_evaluate(config, workdir)
+  assert os.path.isdir(os.path.join(workdir, 'checkpoints', f'{2 * N}.damaged'))
+  losses, reference = _losses(workdir), _losses(straight)
+  assert [losses[s] for s in range(N + 1, 2 * N + 1)] == [reference[s] for s in range(N + 1, 2 * N + 1)]
+
+
+def test_init_from_takes_params_only(straight, tmp_path, devices):
+  del devices
+  config = _config(**{'checkpoint.init_from': straight, 'train.steps': 2})
+  state = train.train_and_evaluate(config, str(tmp_path))
+  assert int(state.step) == 2  # A fresh run: its own step count and optimizer state.
+  first = _losses(str(tmp_path))[1]
+  assert first == pytest.approx(_losses(straight)[2 * N], abs=0.05)  # Starts where the source ended.
+  with pytest.raises(checkpoint.CheckpointError, match='init_from: .* is not a directory'):
+    train.train_and_evaluate(_config(**{'checkpoint.init_from': str(tmp_path / 'nope')}),
+                             str(tmp_path / 'other'))
+
+
+def test_readme_snippet_loads_params_without_zoo(straight):
+  with open(os.path.join(os.path.dirname(__file__), '..', 'README.md'), encoding='utf-8') as f:
+    readme = f.read()
+  snippet = re.search(r'<!-- load-params -->\s*```python\n(.*?)```', readme, re.S).group(1)
+  assert 'zoo' not in snippet.replace('workdir', '')
+  scope = {'workdir': straight}
+  exec(snippet, scope)  # pylint: disable=exec-used
+  _assert_trees_equal(scope['params'], _restore(straight, _config())['params'])

@@ -1,0 +1,96 @@
+"""Real `python -m zoo.main` processes killed with SIGKILL or SIGTERM, then resumed."""
+import glob
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, experiment, load_config, read_metrics, run_cli
+from zoo import train
+
+STEPS = 40
+FLAGS = {'train.steps': STEPS, 'train.log_every_steps': 1, 'eval.every_steps': STEPS,
+         'checkpoint.every_steps': 2, 'mesh.shape': (4, 2)}  # A save every other step.
+
+
+def _args(workdir):
+  return [f'--config={experiment("mlp_digits")}:smoke', f'--workdir={workdir}',
+          *(f'--config.{k}={v}'.replace(' ', '') for k, v in FLAGS.items())]
+
+
+def _start(workdir, log):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  return subprocess.Popen([sys.executable, '-m', 'zoo.main', '--cpu_devices=8', *_args(workdir)],
+                          cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def _wait_for_training(workdir, proc, timeout=120):
+  deadline = time.time() + timeout
+  path = os.path.join(workdir, 'metrics.jsonl')
+  while time.time() < deadline:
+    assert proc.poll() is None, 'the run ended before it could be interrupted'
+    if os.path.exists(path) and os.path.getsize(path) > 0:
+      return
+    time.sleep(0.02)
+  raise TimeoutError('training did not start')
+
+
+def _train_losses(workdir):
+  rows = [r for r in read_metrics(workdir) if 'train/loss' in r]
+  steps = [r['step'] for r in rows]
+  assert len(steps) == len(set(steps)), 'a step was logged twice'
+  return {r['step']: r['train/loss'] for r in rows}
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp('reference'))
+  train.train_and_evaluate(load_config('mlp_digits', **FLAGS), workdir)
+  return _train_losses(workdir), read_metrics(workdir)[-1]
+
+
+@pytest.mark.parametrize('trial', range(3))
+def test_sigkill_at_a_random_moment_then_resume(trial, reference, tmp_path):
+  workdir = str(tmp_path / 'run')
+  with open(tmp_path / 'killed.log', 'w', encoding='utf-8') as log:
+    proc = _start(workdir, log)
+    _wait_for_training(workdir, proc)
+    time.sleep(random.Random(trial).uniform(0.0, 2.0))
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+  killed_at = max(_train_losses(workdir))
+  assert killed_at < STEPS, 'the kill came too late to test anything'
+  print(f'killed after step {killed_at}; checkpoints {sorted(os.listdir(os.path.join(workdir, "checkpoints")))}')
+
+  result = run_cli(*_args(workdir))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'resuming from step' in result.stderr or 'Found 0 checkpoint' in result.stderr
+  losses, final_eval = _train_losses(workdir), read_metrics(workdir)[-1]
+  assert losses == reference[0]  # Every step once, bit-identical to the run that never died.
+  assert final_eval == reference[1]
+  assert not glob.glob(os.path.join(workdir, 'checkpoints', '*tmp*')), 'temporary dirs remain'
+
+
+def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):
+  workdir = str(tmp_path / 'run')
+  with open(tmp_path / 'stderr.log', 'w+', encoding='utf-8') as log:
+    proc = _start(workdir, log)
+    _wait_for_training(workdir, proc)
+    time.sleep(0.3)
+    sent = time.time()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=60)
+    elapsed = time.time() - sent
+    log.seek(0)
+    stderr = log.read()
+  assert rc == 0, stderr[-3000:]
+  assert elapsed < 10, f'took {elapsed:.1f} s to stop'
+  last_logged = max(_train_losses(workdir))
+  saved = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')) if s.isdigit())
+  assert last_logged < STEPS and saved[-1] == last_logged
+  assert f'stop requested (SIGTERM or preemption) at step {last_logged}' in stderr

@@ -1,0 +1,161 @@
+"""Orbax checkpoints of the sharded train state: save, resume on any mesh, warm-start.
+
+The saved tree is `{'step', 'params', 'opt_state'}`. Batches and per-step randomness are
+functions of (seed, step), so the step is the whole data and RNG position. Every process
+writes its own shards; restores read into abstract targets that carry the *current*
+shardings, so a checkpoint written on one mesh restores onto any other.
+"""
+import os
+import signal
+import threading
+
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(ValueError):
+  """A checkpoint cannot be used: mismatched, damaged or missing. One line."""
+
+
+def _key_name(key):
+  for attr in ('key', 'name', 'idx'):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _shapes(tree):
+  """{'params.block_0.attn.query': shape, ...}: orbax's names for the leaves of `tree`."""
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {'.'.join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def saved_tree(state):
+  """The part of a TrainState that is checkpointed (the rest is code: apply_fn, tx)."""
+  return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state}
+
+
+def abstract_target(tree, shardings):
+  """ShapeDtypeStructs carrying the current shardings: what restore reads into."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings)
+
+
+def make_manager(workdir, keep, use_async):
+  """A manager for `workdir/checkpoints`; incomplete (killed) saves are cleaned up."""
+  options = ocp.CheckpointManagerOptions(
+      preservation_policy=ocp.checkpoint_managers.LatestN(keep),
+      enable_async_checkpointing=use_async, cleanup_tmp_directories=True, create=True)
+  return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, 'checkpoints')),
+                               item_handlers=ocp.StandardCheckpointHandler(), options=options)
+
+
+def check_matches(manager, step, target):
+  """Raises CheckpointError listing every path whose shape differs from `target`."""
+  saved = _shapes(manager.item_metadata(step))
+  wanted = _shapes(target)
+  params_first = lambda paths: sorted(paths, key=lambda p: (not p.startswith('params.'), p))
+  problems = [f'{p}: checkpoint {saved[p]} vs config {wanted[p]}'
+              for p in params_first(saved.keys() & wanted.keys()) if saved[p] != wanted[p]]
+  problems += [f'{p}: only in the checkpoint' for p in params_first(saved.keys() - wanted.keys())]
+  problems += [f'{p}: missing from the checkpoint' for p in params_first(wanted.keys() - saved.keys())]
+  if problems:
+    shown = '; '.join(problems[:12]) + (f'; and {len(problems) - 12} more' if len(problems) > 12 else '')
+    raise CheckpointError(
+        f'checkpoint step {step} in {manager.directory} does not match the configured model or '
+        f'optimizer ({len(problems)} arrays): {shown}. Use the config it was written with, or '
+        'another --workdir')
+
+
+def restore_latest(manager, target, fallback):
+  """Restores the newest complete step into `target`; returns (tree, step) or (None, None).
+
+  A damaged step raises CheckpointError and changes nothing on disk. With `fallback`, it is
+  renamed to `<step>.damaged` (kept for inspection, and out of the way of the run that will
+  write that step again) and the next older step is tried.
+  """
+  steps = sorted(manager.all_steps(), reverse=True)
+  for i, step in enumerate(steps):
+    check_matches(manager, step, target)
+    try:
+      return manager.restore(step, args=ocp.args.StandardRestore(target)), step
+    except Exception as e:  # pylint: disable=broad-except  # Orbax/tensorstore raise many types.
+      reason = f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:300]
+      older = steps[i + 1] if i + 1 < len(steps) else None
+      if not fallback or older is None:
+        hint = (f'set --config.checkpoint.fallback=True to resume from step {older}, or delete it'
+                if older is not None else 'delete it to start afresh')
+        raise CheckpointError(f'checkpoint step {step} in {manager.directory} is damaged '
+                              f'({reason}); {hint}') from e
+      logging.warning('checkpoint step %d is damaged (%s); moved aside, falling back to step %d',
+                      step, reason, older)
+      _move_aside(manager, step)
+  return None, None
+
+
+def _move_aside(manager, step):
+  """Renames a damaged step directory (on process 0) so that the step can be saved again."""
+  path = os.path.join(str(manager.directory), str(step))
+  if jax.process_index() == 0:
+    suffix = 0
+    while os.path.exists(f'{path}.damaged' + (f'.{suffix}' if suffix else '')):
+      suffix += 1
+    os.rename(path, f'{path}.damaged' + (f'.{suffix}' if suffix else ''))
+  multihost_utils.sync_global_devices(f'zoo_move_aside_{step}')
+  manager.reload()
+
+
+def restore_params(path, params_target):
+  """Params only, from another run's workdir or checkpoint directory (its latest step)."""
+  directory = os.path.abspath(path)
+  if os.path.isdir(os.path.join(directory, 'checkpoints')):
+    directory = os.path.join(directory, 'checkpoints')
+  if not os.path.isdir(directory):
+    raise CheckpointError(f'config.checkpoint.init_from: {path} is not a directory; give a '
+                          'run\'s workdir or its checkpoints/ directory')
+  with ocp.CheckpointManager(directory, item_handlers=ocp.PyTreeCheckpointHandler(),
+                             options=ocp.CheckpointManagerOptions(read_only=True)) as source:
+    step = source.latest_step()
+    if step is None:
+      raise CheckpointError(f'config.checkpoint.init_from: no complete checkpoint in {directory}')
+    target = {'params': params_target}
+    saved = _shapes(source.item_metadata(step))
+    wanted = _shapes(target)
+    bad = [f'{p}: checkpoint {saved.get(p, "absent")} vs config {s}'
+           for p, s in sorted(wanted.items()) if saved.get(p) != s]
+    if bad:
+      raise CheckpointError(f'config.checkpoint.init_from: step {step} in {directory} does not '
+                            f'match the configured model: {"; ".join(bad[:12])}')
+    restored = source.restore(step, args=ocp.args.PyTreeRestore(
+        item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+        partial_restore=True))
+  return restored['params'], step, directory
+
+
+class StopRequest:
+  """Callable step -> bool: should the run save now and exit (SIGTERM, preemption)?
+
+  Multi-process runs use orbax's preemption sync point, so that every host stops at the
+  same step. A single process has no coordination service: a SIGTERM handler sets a flag.
+  """
+
+  def __init__(self, manager):
+    self._manager = manager
+    self._received = False
+    self._previous = None
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+  def _on_sigterm(self, signum, frame):
+    del signum, frame
+    self._received = True
+
+  def __call__(self, step):
+    return self._received or self._manager.reached_preemption(step)
+
+  def close(self):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
