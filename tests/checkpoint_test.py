@@ -12,6 +12,7 @@ import pytest
 
 from conftest import experiment, load_config, read_metrics, run_cli
 from zoo import checkpoint, data, models, optim, sharding, train
+from zoo.errors import CheckpointError
 
 N = 6  # Steps before the stop; the runs go to 2N.
 
@@ -41,7 +42,7 @@ def _restore(workdir, config, step=None):
     target = checkpoint.abstract_target(checkpoint.saved_tree(abstract), checkpoint.saved_tree(shardings))
     manager = checkpoint.make_manager(workdir, 10, False)
     step = manager.latest_step() if step is None else step
-    tree = manager.restore(step, args=checkpoint.ocp.args.StandardRestore(target))
+    tree = manager.restore(step, args=checkpoint.restore_args(target))
     manager.close()
   for leaf, want in zip(jax.tree.leaves(tree), jax.tree.leaves(checkpoint.saved_tree(shardings))):
     assert leaf.sharding.is_equivalent_to(want, leaf.ndim)  # Restored into the current mesh.
@@ -129,16 +130,19 @@ def test_mismatched_model_lists_paths_and_touches_nothing(straight, tmp_path, de
   workdir = tmp_path / 'run'
   shutil.copytree(straight, workdir)
   before = _digest(workdir)
-  with pytest.raises(checkpoint.CheckpointError,
+  with pytest.raises(CheckpointError,
                      match=r'does not match .* params\.hidden_1\.kernel: checkpoint \(64, 64\) vs '
                            r'config \(64, 32\)'):
     train.train_and_evaluate(_config(**{'model.hidden_sizes': (64, 32)}), str(workdir))
-  with pytest.raises(checkpoint.CheckpointError, match=r'params\.hidden_2\.kernel: missing'):
+  with pytest.raises(CheckpointError, match=r'params\.hidden_2\.kernel: missing'):
     train.train_and_evaluate(_config(**{'model.hidden_sizes': (64, 64, 64)}), str(workdir))
   assert _digest(workdir) == before
 
 
 def _damage(step_dir, how):
+  if how == 'metadata':
+    with open(os.path.join(step_dir, 'default', '_METADATA'), 'w', encoding='utf-8'):
+      return  # Emptied.
   files = sorted((os.path.getsize(os.path.join(r, f)), os.path.join(r, f))
                  for r, _, fs in os.walk(step_dir) for f in fs if os.sep + 'd' + os.sep in os.path.join(r, f))
   _, biggest = files[-1]
@@ -149,14 +153,14 @@ def _damage(step_dir, how):
     os.remove(biggest)
 
 
-@pytest.mark.parametrize('how', ['truncate', 'delete'])
+@pytest.mark.parametrize('how', ['truncate', 'delete', 'metadata'])
 def test_damaged_checkpoint_fails_clearly_or_falls_back(straight, how, tmp_path, devices):
   del devices
   workdir = str(tmp_path)
   shutil.copytree(straight, workdir, dirs_exist_ok=True)
   _damage(os.path.join(workdir, 'checkpoints', str(2 * N)), how)
   config = _config()
-  with pytest.raises(checkpoint.CheckpointError,
+  with pytest.raises(CheckpointError,
                      match=rf'checkpoint step {2 * N} .* is damaged .*checkpoint\.fallback=True '
                            rf'to resume from step {N}'):
     train.train_and_evaluate(config, workdir)
@@ -174,9 +178,11 @@ def test_init_from_takes_params_only(straight, tmp_path, devices):
   assert int(state.step) == 2  # A fresh run: its own step count and optimizer state.
   first = _losses(str(tmp_path))[1]
   assert first == pytest.approx(_losses(straight)[2 * N], abs=0.05)  # Starts where the source ended.
-  with pytest.raises(checkpoint.CheckpointError, match='init_from: .* is not a directory'):
-    train.train_and_evaluate(_config(**{'checkpoint.init_from': str(tmp_path / 'nope')}),
-                             str(tmp_path / 'other'))
+  with pytest.raises(CheckpointError, match=r'init_from: step \d+ .* does not match .* '
+                                            r'params\.hidden_1\.kernel: checkpoint \(64, 64\) vs config \(64, 32\)'):
+    train.train_and_evaluate(_config(**{'checkpoint.init_from': straight,
+                                        'model.hidden_sizes': (64, 32)}), str(tmp_path / 'other'))
+  assert not (tmp_path / 'other').exists()
 
 
 def test_readme_snippet_loads_params_without_zoo(straight):

@@ -6,7 +6,9 @@ import pytest
 
 from conftest import experiment, load_config, run_cli
 from zoo import train
-from zoo.config import ConfigError
+from zoo import sharding
+from zoo.config import batch_mesh_axes
+from zoo.errors import ConfigError, NonFiniteError, ZooError
 
 BAD_INPUTS = {
     'unknown model': ({'model.name': 'gpt5'}, r"config\.model\.name: unknown model 'gpt5'; known: mlp, transformer_lm"),
@@ -28,17 +30,41 @@ BAD_INPUTS = {
     'model and data disagree': ({'data.name': 'text'}, r"config\.data\.name: model 'mlp' trains on classification"),
     'param does not split': ({'model.hidden_sizes': (63, 64), 'mesh.shape': (2, 4)},
                              r'config\.logical_axis_rules: parameter hidden_0/bias of shape \(63,\) has a dimension of 63 split over 4'),
+    'zero width': ({'model.hidden_sizes': (64, 0)}, r'config\.model\.hidden_sizes: sizes must be positive'),
+    'negative seed': ({'seed': -1}, r'config\.seed: must be >= 0, got -1'),
+    'negative max_batches': ({'eval.max_batches': -1}, r'config\.eval\.max_batches: must be >= 0'),
+    'zero heads': ({'model.num_heads': 0}, r'config\.model\.num_heads: sizes must be positive', 'char_lm'),
+    'zero seq_len': ({'data.seq_len': 0}, r'config\.data\.seq_len: must be positive', 'char_lm'),
+    'missing text file': ({'data.path': '/nonexistent/corpus.txt'},
+                          r'config\.data\.path: /nonexistent/corpus\.txt is not a file', 'char_lm'),
+    'init_from missing': ({'checkpoint.init_from': '/nonexistent/run'},
+                          r'config\.checkpoint\.init_from: /nonexistent/run is not a directory'),
 }
 
 
 @pytest.mark.parametrize('case', sorted(BAD_INPUTS))
 def test_bad_config_names_the_field_and_writes_nothing(case, tmp_path, devices):
   del devices
-  overrides, message = BAD_INPUTS[case]
+  overrides, message, *name = BAD_INPUTS[case]
   workdir = tmp_path / 'run'
-  with pytest.raises(ConfigError, match=message):
-    train.train_and_evaluate(load_config('mlp_digits', **overrides), str(workdir))
+  with pytest.raises(ZooError, match=message):
+    train.train_and_evaluate(load_config(*(name or ['mlp_digits']), **overrides), str(workdir))
   assert not workdir.exists()
+
+
+def test_text_too_short_for_seq_len(tmp_path, devices):
+  del devices
+  (tmp_path / 'tiny.txt').write_text('hello world, ' * 20)
+  with pytest.raises(ConfigError, match=r'config\.data\.path: its last 10% .* shorter than'):
+    train.train_and_evaluate(load_config('char_lm', **{'data.path': str(tmp_path / 'tiny.txt')}),
+                             str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()
+
+
+def test_batch_axes_follow_flax_first_matching_rule():
+  config = load_config('mlp_digits', **{
+      'logical_axis_rules': sharding.standard_rules() + [('act_batch', 'model')]})
+  assert batch_mesh_axes(config) == ('batch',)
 
 
 def test_unwritable_workdir(tmp_path, devices):
@@ -71,13 +97,15 @@ def test_cli_prints_one_line_and_exits_nonzero(flag, message, tmp_path):
   assert not workdir.exists()
 
 
-def test_non_finite_loss_stops_with_the_step_and_is_never_saved(tmp_path, devices):
+# every_steps=1 checks each step before its save; 1000 exercises the one-step-late check.
+@pytest.mark.parametrize('every', [1, 1000])
+def test_non_finite_loss_stops_with_the_step_and_is_never_saved(every, tmp_path, devices):
   del devices
   config = load_config('mlp_digits', **{
       'optimizer.name': 'sgd', 'optimizer.learning_rate': 1e12, 'optimizer.grad_clip_norm': 0.0,
       'optimizer.warmup_steps': 0, 'optimizer.schedule': 'constant', 'train.log_every_steps': 100,
-      'checkpoint.every_steps': 1})
-  with pytest.raises(train.NonFiniteLossError,
+      'checkpoint.every_steps': every})
+  with pytest.raises(NonFiniteError,
                      match=r'non-finite train/(loss|param_norm) \S+ at step (\d+)') as error:
     train.train_and_evaluate(config, str(tmp_path))
   bad_step = int(re.search(r'at step (\d+)', str(error.value)).group(1))

@@ -22,7 +22,7 @@ def test_train_batch_is_a_function_of_seed_and_step(name):
 
 
 @pytest.mark.parametrize('name', ['digits', 'text'])
-def test_process_rows_concatenate_to_the_global_batch(name):
+def test_row_slices_concatenate_to_the_global_batch(name):
   ds = _load(name)
   full = ds.train_batch(5, 32, slice(None))
   halves = [ds.train_batch(5, 32, slice(0, 16)), ds.train_batch(5, 32, slice(16, 32))]

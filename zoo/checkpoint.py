@@ -12,11 +12,11 @@ import threading
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
+import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint import type_handlers
 
-
-class CheckpointError(ValueError):
-  """A checkpoint cannot be used: mismatched, damaged or missing. One line."""
+from zoo.errors import CheckpointError
 
 
 def _key_name(key):
@@ -43,55 +43,98 @@ def abstract_target(tree, shardings):
                       tree, shardings)
 
 
-def make_manager(workdir, keep, use_async):
+def save_args(tree):
+  return ocp.args.PyTreeSave(tree)
+
+
+def restore_args(target):
+  """Restore into `target`'s shapes, dtypes and shardings, whatever mesh saved it."""
+  return ocp.args.PyTreeRestore(
+      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
+
+
+def _handler(replica_parallel=False):
+  registry = type_handlers.create_type_handler_registry(
+      (jax.Array, type_handlers.ArrayHandler(use_replica_parallel=replica_parallel)))
+  return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
+def directory_of(workdir):
+  return os.path.abspath(os.path.join(workdir, 'checkpoints'))
+
+
+def make_manager(workdir, keep, use_async, replica_parallel=False):
   """A manager for `workdir/checkpoints`; incomplete (killed) saves are cleaned up."""
   options = ocp.CheckpointManagerOptions(
       preservation_policy=ocp.checkpoint_managers.LatestN(keep),
       enable_async_checkpointing=use_async, cleanup_tmp_directories=True, create=True)
-  return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, 'checkpoints')),
-                               item_handlers=ocp.StandardCheckpointHandler(), options=options)
+  return ocp.CheckpointManager(directory_of(workdir), item_handlers=_handler(replica_parallel),
+                               options=options)
 
 
-def check_matches(manager, step, target):
-  """Raises CheckpointError listing every path whose shape differs from `target`."""
-  saved = _shapes(manager.item_metadata(step))
-  wanted = _shapes(target)
+def _mismatches(saved, wanted, only_wanted=False):
+  """Lines naming each path whose shape differs, params first."""
   params_first = lambda paths: sorted(paths, key=lambda p: (not p.startswith('params.'), p))
   problems = [f'{p}: checkpoint {saved[p]} vs config {wanted[p]}'
               for p in params_first(saved.keys() & wanted.keys()) if saved[p] != wanted[p]]
-  problems += [f'{p}: only in the checkpoint' for p in params_first(saved.keys() - wanted.keys())]
+  if not only_wanted:
+    problems += [f'{p}: only in the checkpoint' for p in params_first(saved.keys() - wanted.keys())]
   problems += [f'{p}: missing from the checkpoint' for p in params_first(wanted.keys() - saved.keys())]
-  if problems:
-    shown = '; '.join(problems[:12]) + (f'; and {len(problems) - 12} more' if len(problems) > 12 else '')
-    raise CheckpointError(
-        f'checkpoint step {step} in {manager.directory} does not match the configured model or '
-        f'optimizer ({len(problems)} arrays): {shown}. Use the config it was written with, or '
-        'another --workdir')
+  shown = '; '.join(problems[:12]) + (f'; and {len(problems) - 12} more' if len(problems) > 12 else '')
+  return len(problems), shown
+
+
+def _all_processes(ok):
+  """True only if `ok` holds on every process, so that all take the same branch."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(np.all(multihost_utils.process_allgather(np.array(ok))))
+
+
+def _one_line(error):
+  text = str(error).strip().splitlines()
+  return f'{type(error).__name__}: {text[0] if text else ""}'[:300]
 
 
 def restore_latest(manager, target, fallback):
   """Restores the newest complete step into `target`; returns (tree, step) or (None, None).
 
-  A damaged step raises CheckpointError and changes nothing on disk. With `fallback`, it is
-  renamed to `<step>.damaged` (kept for inspection, and out of the way of the run that will
-  write that step again) and the next older step is tried.
+  A checkpoint that does not fit `target` raises CheckpointError listing the paths. A
+  damaged one (unreadable metadata or data) raises CheckpointError and changes nothing on
+  disk; with `fallback`, it is renamed to `<step>.damaged` (kept for inspection, and out
+  of the way of the run that will write that step again) and the next older step is tried.
+  Every process takes the same decision, even when only one of them read a bad file.
   """
   steps = sorted(manager.all_steps(), reverse=True)
   for i, step in enumerate(steps):
-    check_matches(manager, step, target)
+    tree, error = None, None
     try:
-      return manager.restore(step, args=ocp.args.StandardRestore(target)), step
-    except Exception as e:  # pylint: disable=broad-except  # Orbax/tensorstore raise many types.
-      reason = f'{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ""}'[:300]
-      older = steps[i + 1] if i + 1 < len(steps) else None
-      if not fallback or older is None:
-        hint = (f'set --config.checkpoint.fallback=True to resume from step {older}, or delete it'
-                if older is not None else 'delete it to start afresh')
-        raise CheckpointError(f'checkpoint step {step} in {manager.directory} is damaged '
-                              f'({reason}); {hint}') from e
-      logging.warning('checkpoint step %d is damaged (%s); moved aside, falling back to step %d',
-                      step, reason, older)
-      _move_aside(manager, step)
+      saved = _shapes(manager.item_metadata(step))
+    except Exception as e:  # pylint: disable=broad-except  # Orbax raises many types.
+      saved, error = None, e
+    if _all_processes(saved is not None):
+      count, shown = _mismatches(saved, _shapes(target))
+      if count:
+        raise CheckpointError(
+            f'checkpoint step {step} in {manager.directory} does not match the configured model '
+            f'or optimizer ({count} arrays): {shown}. Use the config it was written with, or '
+            'another --workdir')
+      try:
+        tree = manager.restore(step, args=restore_args(target))
+      except Exception as e:  # pylint: disable=broad-except  # Orbax/tensorstore raise many types.
+        error = e
+    if _all_processes(error is None):
+      return tree, step
+    reason = _one_line(error) if error is not None else 'unreadable on another process'
+    older = steps[i + 1] if i + 1 < len(steps) else None
+    if not fallback or older is None:
+      hint = (f'set --config.checkpoint.fallback=True to resume from step {older}, or delete it'
+              if older is not None else 'delete it to start afresh')
+      raise CheckpointError(f'checkpoint step {step} in {manager.directory} is damaged '
+                            f'({reason}); {hint}') from error
+    logging.warning('checkpoint step %d is damaged (%s); moved aside, falling back to step %d',
+                    step, reason, older)
+    _move_aside(manager, step)
   return None, None
 
 
@@ -115,19 +158,16 @@ def restore_params(path, params_target):
   if not os.path.isdir(directory):
     raise CheckpointError(f'config.checkpoint.init_from: {path} is not a directory; give a '
                           'run\'s workdir or its checkpoints/ directory')
-  with ocp.CheckpointManager(directory, item_handlers=ocp.PyTreeCheckpointHandler(),
+  with ocp.CheckpointManager(directory, item_handlers=_handler(),
                              options=ocp.CheckpointManagerOptions(read_only=True)) as source:
     step = source.latest_step()
     if step is None:
       raise CheckpointError(f'config.checkpoint.init_from: no complete checkpoint in {directory}')
     target = {'params': params_target}
-    saved = _shapes(source.item_metadata(step))
-    wanted = _shapes(target)
-    bad = [f'{p}: checkpoint {saved.get(p, "absent")} vs config {s}'
-           for p, s in sorted(wanted.items()) if saved.get(p) != s]
-    if bad:
+    count, shown = _mismatches(_shapes(source.item_metadata(step)), _shapes(target), only_wanted=True)
+    if count:
       raise CheckpointError(f'config.checkpoint.init_from: step {step} in {directory} does not '
-                            f'match the configured model: {"; ".join(bad[:12])}')
+                            f'match the configured model: {shown}')
     restored = source.restore(step, args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True))

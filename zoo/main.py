@@ -8,8 +8,7 @@ import jax
 from ml_collections import config_flags
 
 from zoo import train
-from zoo.checkpoint import CheckpointError
-from zoo.config import ConfigError
+from zoo.errors import ZooError
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment file, e.g. experiments/char_lm.py:smoke.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs.')
@@ -29,7 +28,7 @@ def main(argv):
                jax.device_count(), jax.devices())
   try:
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except (ConfigError, CheckpointError, train.NonFiniteLossError) as e:
+  except ZooError as e:
     sys.exit(f'zoo: error: {e}')
 
 

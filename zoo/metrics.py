@@ -20,7 +20,7 @@ class MetricWriter:
       path = os.path.join(workdir, 'metrics.jsonl')
       if os.path.exists(path):
         with open(path, encoding='utf-8') as f:
-          rows = [line for line in f if line.strip() and json.loads(line)['step'] <= start_step]
+          rows = [line for line in f if _step_of(line) <= start_step]
         with open(path, 'w', encoding='utf-8') as f:
           f.writelines(rows)
       self._jsonl = open(path, 'a', encoding='utf-8')
@@ -44,6 +44,14 @@ class MetricWriter:
     if self._active:
       self._jsonl.close()
       self._tb.close()
+
+
+def _step_of(line):
+  """A row's step; a line that a kill cut short counts as past every step (dropped)."""
+  try:
+    return json.loads(line)['step']
+  except (ValueError, KeyError, TypeError):
+    return float('inf')
 
 
 def format_duration(seconds):

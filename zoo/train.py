@@ -16,13 +16,10 @@ import optax
 
 from zoo import config as cfg
 from zoo import checkpoint, data, metrics, models, optim, sharding
+from zoo.errors import NonFiniteError
 from zoo.models import transformer_lm
 
 TrainState = train_state.TrainState
-
-
-class NonFiniteLossError(FloatingPointError):
-  """The training loss became NaN or infinite."""
 
 
 def train_step(state, batch):
@@ -112,24 +109,31 @@ def _write_json(workdir, name, obj):
     f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
 
 
-def initial_state(config, manager, init, state_shardings, rng):
+def initial_state(config, workdir, init, state_shardings, rng):
   """Resumes from the newest checkpoint in the workdir, else warm-starts or initialises.
 
-  Restores read straight into the current shardings, whatever mesh wrote the checkpoint.
+  Returns (state, checkpoint manager). Restores read straight into the current shardings,
+  whatever mesh wrote the checkpoint. A checkpoint (or init_from) that does not fit fails
+  before anything is written.
   """
   model_state = jax.eval_shape(lambda r: nn.meta.unbox(init(r)), rng)
   target = checkpoint.abstract_target(checkpoint.saved_tree(model_state),
                                       checkpoint.saved_tree(state_shardings))
-  restored, step = checkpoint.restore_latest(manager, target, config.checkpoint.fallback)
-  if restored is not None:
-    logging.info('resuming from step %d of %s', step, manager.directory)
-    return model_state.replace(**restored)
+  c = config.checkpoint
+  make_manager = lambda: checkpoint.make_manager(workdir, c.keep, c.async_save, c.replica_parallel)
+  manager = None
+  if os.path.isdir(checkpoint.directory_of(workdir)):
+    manager = make_manager()
+    restored, step = checkpoint.restore_latest(manager, target, c.fallback)
+    if restored is not None:
+      logging.info('resuming from step %d of %s', step, manager.directory)
+      return model_state.replace(**restored), manager
   state = create_train_state(init, rng, state_shardings)
-  if config.checkpoint.init_from:
-    params, step, source = checkpoint.restore_params(config.checkpoint.init_from, target['params'])
+  if c.init_from:
+    params, step, source = checkpoint.restore_params(c.init_from, target['params'])
     logging.info('initialised params from step %d of %s (optimizer state fresh)', step, source)
     state = state.replace(params=params)
-  return state
+  return state, manager or make_manager()
 
 
 def train_and_evaluate(config, workdir):
@@ -161,10 +165,8 @@ def train_and_evaluate(config, workdir):
     cfg.validate_shardings(table, mesh, rules)
     state_shardings = sharding.logical_shardings(boxed, mesh, rules)
 
-    # The config is valid: from here on the workdir is written. A checkpoint that does not
-    # fit still fails before any file but checkpoints/ (left as it was) is touched.
-    manager = checkpoint.make_manager(workdir, config.checkpoint.keep, config.checkpoint.async_save)
-    state = initial_state(config, manager, init, state_shardings, rng)
+    state, manager = initial_state(config, workdir, init, state_shardings, rng)
+    # From here on the workdir is written.
     start_step = int(state.step)
     if is_main:
       _write_json(workdir, 'config.json', config.to_json_best_effort(indent=2))
@@ -191,7 +193,7 @@ def train_and_evaluate(config, workdir):
       scalars = jax.device_get(device_metrics)
       for name in ('train/loss', 'train/param_norm'):
         if not np.isfinite(scalars[name]):
-          raise NonFiniteLossError(
+          raise NonFiniteError(
               f'non-finite {name} {scalars[name]} at step {step}; nothing was checkpointed after '
               'it. Lower optimizer.learning_rate or enable optimizer.grad_clip_norm')
       if step % config.train.log_every_steps and step != total_steps:
@@ -211,15 +213,14 @@ def train_and_evaluate(config, workdir):
         if pending:
           report(*pending)
         pending, done = (step + 1, step_metrics), step + 1
-        preempted = stop(done)
+        preempted = stop(done) and done < total_steps  # The last step saves and evals anyway.
         eval_due = done % config.eval.every_steps == 0 or done == total_steps
         save_due = done % config.checkpoint.every_steps == 0 or done == total_steps or preempted
         if eval_due or save_due:
           report(*pending)  # Raises on a non-finite state, so it is never saved.
           pending = None
         if save_due:
-          manager.save(done, args=checkpoint.ocp.args.StandardSave(checkpoint.saved_tree(state)),
-                       force=True)
+          manager.save(done, args=checkpoint.save_args(checkpoint.saved_tree(state)), force=True)
         if preempted:
           logging.warning('stop requested (SIGTERM or preemption) at step %d: saved, exiting', done)
           break

@@ -11,6 +11,8 @@ from typing import Callable, Iterator, Optional
 import jax
 import numpy as np
 
+from zoo.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
@@ -44,8 +46,9 @@ def process_rows(batch_sharding, global_batch_size):
   rows = slice(min(starts), max(stops))
   covered = sum(s1 - s0 for s0, s1 in sorted(set(zip(starts, stops))))
   if covered != rows.stop - rows.start:
-    raise ValueError(f'this process holds non-contiguous batch rows {sorted(set(zip(starts, stops)))}; '
-                     'order the mesh so that each process owns one block of the batch axis')
+    raise ConfigError(f'config.mesh.shape: this process holds non-contiguous rows of the batch '
+                      f'{sorted(set(zip(starts, stops)))}; choose a shape whose batch axis gives each '
+                      'process one block of rows')
   return rows
 
 

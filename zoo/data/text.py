@@ -7,6 +7,7 @@ The first 90% of the characters train, the last 10% evaluate.
 import numpy as np
 
 from zoo.data import Dataset, padded_batches
+from zoo.errors import ConfigError
 
 EVAL_FRACTION = 0.1
 
@@ -37,7 +38,8 @@ def load(data_config, seed):
   train, held_out = tokens[:split], tokens[split:]
   window = data_config.seq_len + 1
   if len(held_out) < window:
-    raise ValueError(f'data.path: the text is too short for data.seq_len={data_config.seq_len}')
+    raise ConfigError(f'config.data.path: its last {EVAL_FRACTION:.0%} (the eval split) is shorter '
+                      f'than data.seq_len + 1 = {window} characters; give a longer text')
 
   def train_batch(step, global_batch_size, rows):
     starts = np.random.default_rng([seed, step]).integers(
