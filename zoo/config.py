@@ -23,6 +23,7 @@ def base_config():
   c.mesh = ml_collections.ConfigDict()
   c.mesh.axes = sharding.MESH_AXES
   c.mesh.shape = (-1, 1)                  # One entry may be -1: filled from the device count.
+  c.mesh.dcn_shape = (1, 1)               # Multi-slice TPU: slices along each axis (put them on 'batch').
   c.logical_axis_rules = sharding.standard_rules()
   c.train = ml_collections.ConfigDict()
   c.train.steps = 1000
@@ -136,6 +137,9 @@ def _validate_mesh(mesh, num_devices):
     _fail('mesh.shape', f'{shape} has more than one -1; at most one axis size can be inferred')
   if any(s == 0 or s < -1 for s in shape):
     _fail('mesh.shape', f'{shape} has a size that is neither positive nor -1')
+  dcn = tuple(mesh.dcn_shape)
+  if len(dcn) != len(axes) or any(d <= 0 for d in dcn):
+    _fail('mesh.dcn_shape', f'{dcn} must give one positive number of slices per axis of {axes}')
   known = math.prod(s for s in shape if s != -1)
   if -1 in shape and num_devices % known:
     _fail('mesh.shape', f'{shape}: {num_devices} devices do not divide by {known}; '
@@ -143,6 +147,10 @@ def _validate_mesh(mesh, num_devices):
   if -1 not in shape and known != num_devices:
     _fail('mesh.shape', f'{shape} needs {known} devices but {num_devices} are present; '
           f'make the product {num_devices} or put -1 for one axis')
+  resolved = sharding.resolve_mesh_shape(shape, num_devices)
+  if any(s % d for s, d in zip(resolved, dcn)):
+    _fail('mesh.dcn_shape', f'{dcn} does not divide the mesh shape {resolved}; each axis size '
+          'must be a multiple of its number of slices')
 
 
 def _validate_rules(rules, mesh_axes):

@@ -7,26 +7,31 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from zoo import train
+from zoo import distributed, train
 from zoo.errors import ZooError
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment file, e.g. experiments/char_lm.py:smoke.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs.')
 _CPU_DEVICES = flags.DEFINE_integer(
     'cpu_devices', None, 'Run on this many emulated CPU devices (try a mesh without accelerators).')
+_COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for a multi-process job.')
+_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
+_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, in [0, num_processes).')
+_INIT_TIMEOUT = flags.DEFINE_integer('initialization_timeout', 300, 'Seconds to wait for every process to join.')
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    'heartbeat_timeout', 60, 'Seconds of silence after which a process counts as dead and the others exit.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 
 def main(argv):
   if len(argv) > 1:
     sys.exit(f'zoo: error: unexpected arguments {argv[1:]}')
-  if _CPU_DEVICES.value:  # Must act before JAX initialises its backends.
-    jax.config.update('jax_platforms', 'cpu')
-    jax.config.update('jax_num_cpu_devices', _CPU_DEVICES.value)
-  logging.info('JAX %s, process %d of %d, %d local / %d global devices: %s', jax.__version__,
-               jax.process_index(), jax.process_count(), jax.local_device_count(),
-               jax.device_count(), jax.devices())
   try:
+    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                           _CPU_DEVICES.value, _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value)
+    logging.info('JAX %s, process %d of %d, %d local / %d global devices: %s', jax.__version__,
+                 jax.process_index(), jax.process_count(), jax.local_device_count(),
+                 jax.device_count(), jax.devices())
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except ZooError as e:
     sys.exit(f'zoo: error: {e}')

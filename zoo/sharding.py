@@ -10,7 +10,10 @@ import math
 
 import flax.linen as nn
 import jax
+from jax.experimental import mesh_utils
 import numpy as np
+
+from zoo.errors import ConfigError
 
 MESH_AXES = ('batch', 'model')
 
@@ -50,16 +53,29 @@ def resolve_mesh_shape(shape, num_devices):
   return shape
 
 
-def make_mesh(shape, axes, devices=None):
+def make_mesh(shape, axes, devices=None, dcn_shape=()):
   """A mesh over `devices` (default: all global devices) with Auto axis types.
 
   Linen's sharding annotations need Auto axes: jax.make_mesh defaults to
-  Explicit, under which the embedding lookup fails to trace.
+  Explicit, under which the embedding lookup fails to trace. A `dcn_shape` other than
+  all ones builds a hybrid mesh for several TPU slices: `dcn_shape[i]` slices along axis
+  i, each slice's devices contiguous inside it.
   """
   devices = jax.devices() if devices is None else devices
   shape = resolve_mesh_shape(shape, len(devices))
-  return jax.make_mesh(shape, tuple(axes), devices=devices,
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+  axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
+  if math.prod(dcn_shape or (1,)) == 1:
+    return jax.make_mesh(shape, tuple(axes), devices=devices, axis_types=axis_types)
+  slices = {getattr(d, 'slice_index', 0) for d in devices}
+  by_process = len(slices) == 1  # No slices (CPU, one GPU host): processes stand in for them.
+  granules = len({d.process_index for d in devices}) if by_process else len(slices)
+  if granules != math.prod(dcn_shape):
+    raise ConfigError(f'config.mesh.dcn_shape: {tuple(dcn_shape)} makes {math.prod(dcn_shape)} '
+                      f'slices but there are {granules} {"processes" if by_process else "slices"}')
+  ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
+  array = mesh_utils.create_hybrid_device_mesh(ici_shape, tuple(dcn_shape), devices,
+                                               process_is_granule=by_process)
+  return jax.sharding.Mesh(array, tuple(axes), axis_types=axis_types)
 
 
 def logical_shardings(boxed_tree, mesh, rules):

@@ -147,7 +147,7 @@ def train_and_evaluate(config, workdir):
   cfg.validate_with_data(config, dataset)
   task = data.DATASETS[config.data.name]
 
-  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
+  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, dcn_shape=config.mesh.dcn_shape)
   rules = [tuple(r) for r in config.logical_axis_rules]
   model = models.build(config.model, **dataset.model_fields)
   tx, lr_schedule = optim.make_optimizer(config.train.steps, **config.optimizer)

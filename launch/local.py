@@ -1,0 +1,115 @@
+r"""Runs one zoo command as N processes on this machine, talking over 127.0.0.1.
+
+    python launch/local.py --processes=2 --devices=4 -- \
+        --config=experiments/mlp_digits.py:smoke --workdir=runs/mp --config.mesh.shape="(4,2)"
+
+Each process gets K emulated CPU devices and the coordinator flags; everything after `--`
+goes to every process unchanged. Output lines are prefixed with `[process i]`. If a process
+fails, the others are stopped and the launcher exits with its code; SIGINT/SIGTERM are
+passed on to every process (a SIGTERM makes zoo save and exit 0).
+"""
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+OWN_FLAGS = ('--cpu_devices', '--coordinator_address', '--num_processes', '--process_id')
+
+
+def free_port():
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def commands(processes, devices, port, zoo_args, heartbeat_timeout):
+  """The command line of each process."""
+  return [[sys.executable, '-u', '-m', 'zoo.main', f'--cpu_devices={devices}',
+           f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={processes}',
+           f'--process_id={i}', f'--heartbeat_timeout={heartbeat_timeout}',
+           f'--initialization_timeout={heartbeat_timeout}', *zoo_args]
+          for i in range(processes)]
+
+
+def _pump(index, stream):
+  for line in stream:
+    sys.stdout.write(f'[process {index}] {line}')
+    sys.stdout.flush()
+
+
+def _stop(procs, grace):
+  for p in procs:
+    if p.poll() is None:
+      p.send_signal(signal.SIGTERM)
+  deadline = time.time() + grace
+  for p in procs:
+    try:
+      p.wait(timeout=max(deadline - time.time(), 0.1))
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait()
+
+
+def run(processes, devices, zoo_args, timeout=None, heartbeat_timeout=60, grace=10):
+  """Starts the processes; returns the job's exit code (0 only if all exit 0)."""
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_NUM_CPU_DEVICES')}
+  env['PYTHONUNBUFFERED'] = '1'
+  procs = []
+  for i, cmd in enumerate(commands(processes, devices, free_port(), zoo_args, heartbeat_timeout)):
+    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, start_new_session=True))
+    print(f'[launch] process {i}: pid {procs[-1].pid}', flush=True)
+  pumps = [threading.Thread(target=_pump, args=(i, p.stdout), daemon=True) for i, p in enumerate(procs)]
+  for t in pumps:
+    t.start()
+  forward = lambda signum, frame: [p.send_signal(signum) for p in procs if p.poll() is None]
+  previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+  start, code = time.time(), None
+  try:
+    while code is None:
+      codes = [p.poll() for p in procs]
+      failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+      if failed:
+        i, code = failed[0]
+        print(f'[launch] process {i} exited with {code}; stopping the others', flush=True)
+        _stop(procs, grace)
+      elif all(c == 0 for c in codes):
+        code = 0
+      elif timeout and time.time() - start > timeout:
+        print(f'[launch] timeout after {timeout} s; stopping every process', flush=True)
+        _stop(procs, grace)
+        code = 124
+      else:
+        time.sleep(0.1)
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+    for t in pumps:
+      t.join(timeout=5)
+  return code
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--processes', type=int, default=2)
+  parser.add_argument('--devices', type=int, default=4, help='Emulated CPU devices per process.')
+  parser.add_argument('--timeout', type=float, default=None, help='Seconds before every process is stopped.')
+  parser.add_argument('--heartbeat_timeout', type=int, default=60,
+                      help='Seconds after which a silent peer counts as dead.')
+  parser.add_argument('zoo_args', nargs=argparse.REMAINDER, help='-- then the arguments of zoo.main')
+  args = parser.parse_args()
+  zoo_args = args.zoo_args[1:] if args.zoo_args[:1] == ['--'] else args.zoo_args
+  clash = [a for a in zoo_args if a.split('=')[0] in OWN_FLAGS]
+  if clash:
+    parser.error(f'{clash} are set by the launcher; remove them')
+  if args.processes < 1 or args.devices < 1:
+    parser.error('--processes and --devices must be positive')
+  sys.exit(run(args.processes, args.devices, zoo_args, args.timeout, args.heartbeat_timeout))
+
+
+if __name__ == '__main__':
+  main()

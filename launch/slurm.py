@@ -1,0 +1,64 @@
+r"""Writes (and submits) a SLURM batch script that runs one zoo command on a GPU cluster.
+
+    python launch/slurm.py --nodes=4 --gpus_per_node=8 --per=gpu --time=04:00:00 [--dry_run] -- \
+        --config=experiments/char_lm.py --workdir=/shared/runs/lm --config.mesh.shape="(-1,8)"
+
+`srun` starts one process per GPU (--per=gpu: each sees one GPU) or per node (--per=node: each
+sees all of its node's GPUs). zoo detects SLURM and calls jax.distributed.initialize, which
+reads the job's nodes, task count and rank from SLURM's environment. The workdir must be on
+a file system that every node sees. --dry_run prints the script instead of calling sbatch.
+"""
+import argparse
+import shlex
+import subprocess
+import sys
+
+
+def batch_script(nodes, gpus_per_node, per, time_limit, job_name, zoo_args, partition=None):
+  tasks = gpus_per_node if per == 'gpu' else 1
+  lines = [
+      '#!/bin/bash',
+      f'#SBATCH --job-name={job_name}',
+      f'#SBATCH --nodes={nodes}',
+      f'#SBATCH --ntasks-per-node={tasks}',
+      f'#SBATCH --gpus-per-node={gpus_per_node}',
+      f'#SBATCH --time={time_limit}',
+      '#SBATCH --output=%x-%j.out',
+      # SIGTERM 120 s before the time limit: zoo saves a checkpoint and exits 0.
+      '#SBATCH --signal=TERM@120',
+  ]
+  if partition:
+    lines.append(f'#SBATCH --partition={partition}')
+  gpu_binding = ' --gpus-per-task=1' if per == 'gpu' else ''
+  lines += [
+      'set -euo pipefail',
+      '# One process per task; every process runs the same command.',
+      f'srun --kill-on-bad-exit=1{gpu_binding} python -m zoo.main {shlex.join(zoo_args)}',
+  ]
+  return '\n'.join(lines) + '\n'
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--nodes', type=int, required=True)
+  parser.add_argument('--gpus_per_node', type=int, default=8)
+  parser.add_argument('--per', choices=('gpu', 'node'), default='gpu', help='One process per GPU or per node.')
+  parser.add_argument('--time', default='01:00:00')
+  parser.add_argument('--job_name', default='zoo')
+  parser.add_argument('--partition', default=None)
+  parser.add_argument('--dry_run', action='store_true', help='Print the script; submit nothing.')
+  parser.add_argument('zoo_args', nargs=argparse.REMAINDER, help='-- then the arguments of zoo.main')
+  args = parser.parse_args()
+  zoo_args = args.zoo_args[1:] if args.zoo_args[:1] == ['--'] else args.zoo_args
+  if not zoo_args:
+    parser.error('give the zoo.main arguments after --')
+  script = batch_script(args.nodes, args.gpus_per_node, args.per, args.time, args.job_name,
+                        zoo_args, args.partition)
+  if args.dry_run:
+    print(script, end='')
+  else:
+    subprocess.run(['sbatch'], input=script, text=True, check=True)
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,53 @@
+"""The cloud launchers cannot run here: their dry-run output is checked instead."""
+import shlex
+import subprocess
+import sys
+
+from conftest import REPO
+
+ZOO_ARGS = ['--config=experiments/char_lm.py', '--workdir=gs://b/runs/lm', '--config.mesh.shape=(-1, 4)']
+
+
+def _run(script, *args):
+  result = subprocess.run([sys.executable, f'launch/{script}', *args, '--dry_run', '--', *ZOO_ARGS],
+                          cwd=REPO, capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stderr
+  return result.stdout
+
+
+def test_tpu_pod_dry_run_deploys_and_runs_on_every_worker():
+  lines = _run('tpu_pod.py', '--tpu=pod', '--zone=us-east5-a', '--project=p').splitlines()
+  assert lines[0] == 'git archive --format=tar.gz --output=/tmp/zoo.tar.gz HEAD'
+  assert lines[1] == ("gcloud compute tpus tpu-vm scp /tmp/zoo.tar.gz 'pod:~/zoo.tar.gz' "
+                      '--worker=all --zone=us-east5-a --project=p')
+  ssh = shlex.split(lines[2])
+  assert ssh[:8] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod', '--worker=all',
+                     '--zone=us-east5-a']
+  remote = ssh[-1].removeprefix('--command=')
+  assert 'pip install -q -e . "jax[tpu]"' in remote
+  # The user's arguments reach zoo.main intact, quoting included.
+  assert shlex.split(remote.split('python3 -m zoo.main ')[1]) == ZOO_ARGS
+  assert len(lines) == 3
+
+
+def test_slurm_dry_run_one_process_per_gpu():
+  script = _run('slurm.py', '--nodes=4', '--gpus_per_node=8', '--per=gpu', '--time=02:00:00')
+  assert script.startswith('#!/bin/bash\n')
+  for line in ('#SBATCH --nodes=4', '#SBATCH --ntasks-per-node=8', '#SBATCH --gpus-per-node=8',
+               '#SBATCH --time=02:00:00', '#SBATCH --signal=TERM@120'):
+    assert line in script.splitlines()
+  srun = [l for l in script.splitlines() if l.startswith('srun')][0]
+  assert srun.startswith('srun --kill-on-bad-exit=1 --gpus-per-task=1 python -m zoo.main ')
+  assert shlex.split(srun.split('zoo.main ')[1]) == ZOO_ARGS
+
+
+def test_slurm_dry_run_one_process_per_node():
+  script = _run('slurm.py', '--nodes=2', '--per=node')
+  assert '#SBATCH --ntasks-per-node=1' in script.splitlines()
+  assert '--gpus-per-task' not in script
+
+
+def test_launchers_need_zoo_arguments():
+  result = subprocess.run([sys.executable, 'launch/slurm.py', '--nodes=1', '--dry_run'], cwd=REPO,
+                          capture_output=True, text=True, check=False)
+  assert result.returncode == 2 and 'give the zoo.main arguments' in result.stderr

@@ -1,0 +1,146 @@
+"""Several real processes on 127.0.0.1 form one JAX job (jax.distributed, gloo on CPU)."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import REPO, experiment, load_config, read_metrics, run_cli
+from zoo import train
+
+STEPS = 6
+FLAGS = [f'--config={experiment("mlp_digits")}:smoke', '--config.train.log_every_steps=1',
+         f'--config.eval.every_steps={STEPS}', f'--config.checkpoint.every_steps={STEPS}']
+
+
+def launch(*args, processes=2, devices=4, timeout=240):
+  cmd = [sys.executable, os.path.join(REPO, 'launch', 'local.py'), f'--processes={processes}',
+         f'--devices={devices}', '--heartbeat_timeout=30', '--', *args]
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _losses(workdir):
+  rows = [r for r in read_metrics(workdir) if 'train/loss' in r]
+  return np.array([r['train/loss'] for r in rows]), [r['step'] for r in rows]
+
+
+@pytest.fixture(scope='module')
+def one_process(tmp_path_factory):
+  """1 process x 8 devices: the reference for every multi-process run, up to 3 x STEPS."""
+  workdir = str(tmp_path_factory.mktemp('one'))
+  train.train_and_evaluate(load_config('mlp_digits', **{
+      'train.steps': 3 * STEPS, 'train.log_every_steps': 1, 'eval.every_steps': STEPS,
+      'checkpoint.every_steps': STEPS, 'mesh.shape': (4, 2)}), workdir)
+  return _losses(workdir)[0]
+
+
+def test_two_processes_match_one(one_process, tmp_path):
+  result = launch(*FLAGS, f'--workdir={tmp_path}', f'--config.train.steps={3 * STEPS}',
+                  '--config.mesh.shape=(4,2)')
+  assert result.returncode == 0, result.stdout[-3000:]
+  losses, steps = _losses(str(tmp_path))
+  assert steps == list(range(1, 3 * STEPS + 1))  # Only process 0 writes metrics.
+  np.testing.assert_allclose(losses, one_process, rtol=2e-5)
+  for i in (0, 1):  # Both processes ran the same steps with the same losses.
+    assert f'[process {i}] ' in result.stdout
+    assert re.search(rf'\[process {i}\].*step {3 * STEPS}/{3 * STEPS}  loss', result.stdout)
+
+
+def test_hybrid_mesh_with_processes_as_slices(one_process, tmp_path):
+  """mesh.dcn_shape=(2,1): 'batch' spans the 2 processes (slices), 'model' stays inside each."""
+  result = launch(*FLAGS, f'--workdir={tmp_path}', f'--config.train.steps={3 * STEPS}',
+                  '--config.mesh.shape=(4,2)', '--config.mesh.dcn_shape=(2,1)')
+  assert result.returncode == 0, result.stdout[-3000:]
+  np.testing.assert_allclose(_losses(str(tmp_path))[0], one_process, rtol=2e-5)
+
+
+def test_checkpoints_move_between_process_counts(one_process, tmp_path):
+  """2 processes write; 1 process with 2 devices resumes; 2 processes resume from its step."""
+  workdir = f'--workdir={tmp_path}'
+  result = launch(*FLAGS, workdir, f'--config.train.steps={3 * STEPS}', '--config.mesh.shape=(4,2)',
+                  f'--config.checkpoint.every_steps={STEPS}', processes=2)
+  assert result.returncode == 0, result.stdout[-3000:]
+  # Keep only step STEPS, as if the 2-process job had been stopped there.
+  for step in (2 * STEPS, 3 * STEPS):
+    os.rename(tmp_path / 'checkpoints' / str(step), tmp_path / f'set_aside_{step}')
+  result = run_cli(*FLAGS, workdir, f'--config.train.steps={3 * STEPS}', '--config.mesh.shape=(2,1)',
+                   devices=2)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f'resuming from step {STEPS}' in result.stderr
+  # Keep up to step 2 * STEPS, which the single process wrote.
+  os.rename(tmp_path / 'checkpoints' / str(3 * STEPS), tmp_path / 'set_aside_last')
+  result = launch(*FLAGS, workdir, f'--config.train.steps={3 * STEPS}', '--config.mesh.shape=(2,4)')
+  assert result.returncode == 0, result.stdout[-3000:]
+  assert f'resuming from step {2 * STEPS}' in result.stdout
+  losses, steps = _losses(str(tmp_path))
+  assert steps == list(range(1, 3 * STEPS + 1))
+  np.testing.assert_allclose(losses, one_process, rtol=2e-5)
+
+
+def _start(i, port, workdir):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  cmd = [sys.executable, '-m', 'zoo.main', '--cpu_devices=4', f'--coordinator_address=127.0.0.1:{port}',
+         '--num_processes=2', f'--process_id={i}', '--heartbeat_timeout=10', *FLAGS,
+         f'--workdir={workdir}', '--config.train.steps=100000', '--config.mesh.shape=(4,2)',
+         '--config.checkpoint.every_steps=100000', '--config.eval.every_steps=100000']
+  return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize('victim', [1, 0])
+def test_survivor_exits_nonzero_in_bounded_time(victim, tmp_path):
+  sys.path.insert(0, os.path.join(REPO, 'launch'))
+  import local  # pylint: disable=import-outside-toplevel
+  port = local.free_port()
+  procs = [_start(i, port, tmp_path) for i in (0, 1)]
+  try:
+    deadline = time.time() + 120
+    while not (tmp_path / 'metrics.jsonl').exists() or not read_metrics(str(tmp_path)):
+      assert time.time() < deadline and all(p.poll() is None for p in procs), 'training did not start'
+      time.sleep(0.1)
+    procs[victim].send_signal(signal.SIGKILL)
+    killed = time.time()
+    survivor = procs[1 - victim]
+    rc = survivor.wait(timeout=110)
+    elapsed = time.time() - killed
+    stderr = survivor.stderr.read()
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert rc != 0, stderr[-2000:]
+  assert elapsed < 60, f'survivor took {elapsed:.0f} s'  # Bound: heartbeat 10 s + teardown.
+  print(f'process {1 - victim} exited {rc} after {elapsed:.1f} s: {stderr.strip().splitlines()[-1][:300]}')
+
+
+def test_launcher_stops_the_others_when_one_fails(tmp_path):
+  cmd = [sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--processes=2', '--devices=4',
+         '--', *FLAGS, f'--workdir={tmp_path}', '--config.train.steps=100000',
+         '--config.mesh.shape=(4,2)', '--config.checkpoint.every_steps=100000',
+         '--config.eval.every_steps=100000']
+  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  pids = {}
+  for line in proc.stdout:
+    match = re.match(r'\[launch\] process (\d): pid (\d+)', line)
+    if match:
+      pids[int(match.group(1))] = int(match.group(2))
+    if 'step 3/' in line:
+      break
+  os.kill(pids[1], signal.SIGKILL)
+  t0 = time.time()
+  rest = proc.stdout.read()
+  rc = proc.wait(timeout=60)
+  assert rc != 0 and time.time() - t0 < 30
+  assert 'process 1 exited with -9; stopping the others' in rest
+  with pytest.raises(ProcessLookupError):
+    os.kill(pids[0], 0)  # Process 0 is gone too.
+
+
+def test_launcher_rejects_its_own_flags():
+  result = subprocess.run([sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--',
+                           '--process_id=3'], capture_output=True, text=True, check=False)
+  assert result.returncode == 2 and 'set by the launcher' in result.stderr

@@ -1,0 +1,46 @@
+"""Joining a multi-process JAX job: explicit flags, an auto-detected cluster, or one process.
+
+Must run before any other JAX work. Every process then runs the same program on the
+same global mesh; see README "Several processes".
+"""
+from absl import logging
+import jax
+
+from zoo.errors import ConfigError
+
+
+def detected_cluster():
+  """The cluster JAX's own auto-detection would join (SLURM, Open MPI, TPU pod, ...), or None."""
+  try:
+    from jax._src import clusters  # pylint: disable=import-outside-toplevel
+    for env in clusters.ClusterEnv._cluster_types:  # pylint: disable=protected-access
+      if not getattr(env, 'opt_in_only_method', False) and env.is_env_present():
+        return env.__name__
+  except (ImportError, AttributeError):  # A JAX without this private registry: run alone.
+    logging.warning('cannot query JAX cluster detection; pass --coordinator_address etc.')
+  return None
+
+
+def initialize(coordinator_address=None, num_processes=None, process_id=None, cpu_devices=None,
+               initialization_timeout=300, heartbeat_timeout=60):
+  """Sets up devices and, if this is a multi-process job, jax.distributed.
+
+  A peer that does not arrive within `initialization_timeout` seconds, or stops sending
+  heartbeats for `heartbeat_timeout` seconds, makes every other process exit non-zero.
+  """
+  if cpu_devices:
+    jax.config.update('jax_platforms', 'cpu')
+    jax.config.update('jax_num_cpu_devices', cpu_devices)
+  explicit = (coordinator_address, num_processes, process_id)
+  timeouts = {'initialization_timeout': initialization_timeout,
+              'heartbeat_timeout_seconds': heartbeat_timeout}
+  if any(v is not None for v in explicit):
+    if any(v is None for v in explicit):
+      raise ConfigError('--coordinator_address, --num_processes and --process_id go together; '
+                        'give all three (or none, to auto-detect a cluster)')
+    if not 0 <= process_id < num_processes:
+      raise ConfigError(f'--process_id: {process_id} is not in [0, --num_processes={num_processes})')
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
+  elif cluster := detected_cluster():
+    logging.info('detected a %s: joining its distributed job', cluster)
+    jax.distributed.initialize(**timeouts)
