@@ -144,3 +144,23 @@ def test_launcher_rejects_its_own_flags():
   result = subprocess.run([sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--',
                            '--process_id=3'], capture_output=True, text=True, check=False)
   assert result.returncode == 2 and 'set by the launcher' in result.stderr
+
+
+def test_sigterm_to_every_process_saves_one_agreed_step(tmp_path):
+  """JAX's preemption service catches SIGTERM; orbax's sync point picks one step for all."""
+  cmd = [sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--processes=2', '--devices=4',
+         '--', *FLAGS, f'--workdir={tmp_path}', '--config.train.steps=100000',
+         '--config.mesh.shape=(4,2)', '--config.checkpoint.every_steps=100000',
+         '--config.eval.every_steps=100000']
+  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  for line in proc.stdout:
+    if 'step 5/' in line:
+      break
+  proc.send_signal(signal.SIGTERM)  # The launcher passes it on to both processes.
+  rest = proc.stdout.read()
+  assert proc.wait(timeout=60) == 0, rest[-3000:]
+  saved = [int(s) for s in os.listdir(tmp_path / 'checkpoints') if s.isdigit()]
+  assert len(saved) == 1 and saved[0] == max(_losses(str(tmp_path))[1])
+  for i in (0, 1):
+    assert re.search(rf'\[process {i}\] .*stop requested \(SIGTERM or preemption\) at step {saved[0]}:',
+                     rest), rest[-3000:]
