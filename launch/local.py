@@ -17,6 +17,8 @@ import sys
 import threading
 import time
 
+import cli
+
 OWN_FLAGS = ('--cpu_devices', '--coordinator_address', '--num_processes', '--process_id')
 
 
@@ -100,9 +102,9 @@ def main():
   parser.add_argument('--timeout', type=float, default=None, help='Seconds before every process is stopped.')
   parser.add_argument('--heartbeat_timeout', type=int, default=60,
                       help='Seconds after which a silent peer counts as dead.')
-  parser.add_argument('zoo_args', nargs=argparse.REMAINDER, help='-- then the arguments of zoo.main')
+  cli.add_zoo_args(parser)
   args = parser.parse_args()
-  zoo_args = args.zoo_args[1:] if args.zoo_args[:1] == ['--'] else args.zoo_args
+  zoo_args = cli.zoo_args(parser, args)
   clash = [a for a in zoo_args if a.split('=')[0] in OWN_FLAGS]
   if clash:
     parser.error(f'{clash} are set by the launcher; remove them')

@@ -13,6 +13,8 @@ import shlex
 import subprocess
 import sys
 
+import cli
+
 
 def batch_script(nodes, gpus_per_node, per, time_limit, job_name, zoo_args, partition=None):
   tasks = gpus_per_node if per == 'gpu' else 1
@@ -47,11 +49,9 @@ def main():
   parser.add_argument('--job_name', default='zoo')
   parser.add_argument('--partition', default=None)
   parser.add_argument('--dry_run', action='store_true', help='Print the script; submit nothing.')
-  parser.add_argument('zoo_args', nargs=argparse.REMAINDER, help='-- then the arguments of zoo.main')
+  cli.add_zoo_args(parser)
   args = parser.parse_args()
-  zoo_args = args.zoo_args[1:] if args.zoo_args[:1] == ['--'] else args.zoo_args
-  if not zoo_args:
-    parser.error('give the zoo.main arguments after --')
+  zoo_args = cli.zoo_args(parser, args)
   script = batch_script(args.nodes, args.gpus_per_node, args.per, args.time, args.job_name,
                         zoo_args, args.partition)
   if args.dry_run:

@@ -13,6 +13,8 @@ import shlex
 import subprocess
 import sys
 
+import cli
+
 ARCHIVE = '/tmp/zoo.tar.gz'
 
 
@@ -35,11 +37,9 @@ def main():
   parser.add_argument('--zone', required=True)
   parser.add_argument('--project', default=None)
   parser.add_argument('--dry_run', action='store_true', help='Print the commands; run nothing.')
-  parser.add_argument('zoo_args', nargs=argparse.REMAINDER, help='-- then the arguments of zoo.main')
+  cli.add_zoo_args(parser)
   args = parser.parse_args()
-  zoo_args = args.zoo_args[1:] if args.zoo_args[:1] == ['--'] else args.zoo_args
-  if not zoo_args:
-    parser.error('give the zoo.main arguments after --')
+  zoo_args = cli.zoo_args(parser, args)
   for cmd in commands(args.tpu, args.zone, args.project, zoo_args):
     print(shlex.join(cmd), flush=True)
     if not args.dry_run:

@@ -17,6 +17,11 @@ FLAGS = [f'--config={experiment("mlp_digits")}:smoke', '--config.train.log_every
          f'--config.eval.every_steps={STEPS}', f'--config.checkpoint.every_steps={STEPS}']
 
 
+# A run that only stops when told to (or killed).
+ENDLESS = ['--config.train.steps=100000', '--config.mesh.shape=(4,2)',
+           '--config.checkpoint.every_steps=100000', '--config.eval.every_steps=100000']
+
+
 def launch(*args, processes=2, devices=4, timeout=240):
   cmd = [sys.executable, os.path.join(REPO, 'launch', 'local.py'), f'--processes={processes}',
          f'--devices={devices}', '--heartbeat_timeout=30', '--', *args]
@@ -85,8 +90,7 @@ def _start(i, port, workdir):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   cmd = [sys.executable, '-m', 'zoo.main', '--cpu_devices=4', f'--coordinator_address=127.0.0.1:{port}',
          '--num_processes=2', f'--process_id={i}', '--heartbeat_timeout=10', *FLAGS,
-         f'--workdir={workdir}', '--config.train.steps=100000', '--config.mesh.shape=(4,2)',
-         '--config.checkpoint.every_steps=100000', '--config.eval.every_steps=100000']
+         f'--workdir={workdir}', *ENDLESS]
   return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
 
@@ -117,12 +121,14 @@ def test_survivor_exits_nonzero_in_bounded_time(victim, tmp_path):
   print(f'process {1 - victim} exited {rc} after {elapsed:.1f} s: {stderr.strip().splitlines()[-1][:300]}')
 
 
-def test_launcher_stops_the_others_when_one_fails(tmp_path):
+def _launch_endless(workdir):
   cmd = [sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--processes=2', '--devices=4',
-         '--', *FLAGS, f'--workdir={tmp_path}', '--config.train.steps=100000',
-         '--config.mesh.shape=(4,2)', '--config.checkpoint.every_steps=100000',
-         '--config.eval.every_steps=100000']
-  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         '--', *FLAGS, f'--workdir={workdir}', *ENDLESS]
+  return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_launcher_stops_the_others_when_one_fails(tmp_path):
+  proc = _launch_endless(tmp_path)
   pids = {}
   for line in proc.stdout:
     match = re.match(r'\[launch\] process (\d): pid (\d+)', line)
@@ -148,11 +154,7 @@ def test_launcher_rejects_its_own_flags():
 
 def test_sigterm_to_every_process_saves_one_agreed_step(tmp_path):
   """JAX's preemption service catches SIGTERM; orbax's sync point picks one step for all."""
-  cmd = [sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--processes=2', '--devices=4',
-         '--', *FLAGS, f'--workdir={tmp_path}', '--config.train.steps=100000',
-         '--config.mesh.shape=(4,2)', '--config.checkpoint.every_steps=100000',
-         '--config.eval.every_steps=100000']
-  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  proc = _launch_endless(tmp_path)
   for line in proc.stdout:
     if 'step 5/' in line:
       break
