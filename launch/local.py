@@ -9,6 +9,8 @@ fails, the others are stopped and the launcher exits with its code; SIGINT/SIGTE
 passed on to every process (a SIGTERM makes zoo save and exit 0).
 """
 import argparse
+import ctypes
+import ctypes.util
 import os
 import signal
 import socket
@@ -32,21 +34,30 @@ def commands(processes, devices, port, zoo_args, heartbeat_timeout):
   """The command line of each process."""
   return [[sys.executable, '-u', '-m', 'zoo.main', f'--cpu_devices={devices}',
            f'--coordinator_address=127.0.0.1:{port}', f'--num_processes={processes}',
-           f'--process_id={i}', f'--heartbeat_timeout={heartbeat_timeout}',
-           f'--initialization_timeout={heartbeat_timeout}', *zoo_args]
+           f'--process_id={i}', f'--heartbeat_timeout={heartbeat_timeout}', *zoo_args]
           for i in range(processes)]
 
 
+def _die_with_parent():
+  """In the child: SIGKILL it when the launcher dies, so no process outlives a killed launch."""
+  libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6', use_errno=True)
+  libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _pump(index, stream):
+  """Copies a child's output, prefixed; keeps draining even if our stdout breaks."""
   for line in stream:
-    sys.stdout.write(f'[process {index}] {line}')
-    sys.stdout.flush()
+    try:
+      sys.stdout.write(f'[process {index}] {line}')
+      sys.stdout.flush()
+    except (BrokenPipeError, OSError):
+      pass
 
 
-def _stop(procs, grace):
+def _stop(procs, grace, sig=signal.SIGTERM):
   for p in procs:
     if p.poll() is None:
-      p.send_signal(signal.SIGTERM)
+      p.send_signal(sig)
   deadline = time.time() + grace
   for p in procs:
     try:
@@ -63,7 +74,8 @@ def run(processes, devices, zoo_args, timeout=None, heartbeat_timeout=60, grace=
   procs = []
   for i, cmd in enumerate(commands(processes, devices, free_port(), zoo_args, heartbeat_timeout)):
     procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True, start_new_session=True))
+                                  text=True, errors='replace', start_new_session=True,
+                                  preexec_fn=_die_with_parent))
     print(f'[launch] process {i}: pid {procs[-1].pid}', flush=True)
   pumps = [threading.Thread(target=_pump, args=(i, p.stdout), daemon=True) for i, p in enumerate(procs)]
   for t in pumps:
@@ -78,7 +90,8 @@ def run(processes, devices, zoo_args, timeout=None, heartbeat_timeout=60, grace=
       if failed:
         i, code = failed[0]
         print(f'[launch] process {i} exited with {code}; stopping the others', flush=True)
-        _stop(procs, grace)
+        _stop(procs, grace, signal.SIGKILL)  # A SIGTERM would start a save that needs the dead peer.
+        code = 128 - code if code < 0 else code  # Killed by signal N: exit 128 + N, like a shell.
       elif all(c == 0 for c in codes):
         code = 0
       elif timeout and time.time() - start > timeout:
@@ -105,7 +118,7 @@ def main():
   cli.add_zoo_args(parser)
   args = parser.parse_args()
   zoo_args = cli.zoo_args(parser, args)
-  clash = [a for a in zoo_args if a.split('=')[0] in OWN_FLAGS]
+  clash = [a for a in zoo_args if '--' + a.lstrip('-').split('=')[0] in OWN_FLAGS]
   if clash:
     parser.error(f'{clash} are set by the launcher; remove them')
   if args.processes < 1 or args.devices < 1:

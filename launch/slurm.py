@@ -3,9 +3,10 @@ r"""Writes (and submits) a SLURM batch script that runs one zoo command on a GPU
     python launch/slurm.py --nodes=4 --gpus_per_node=8 --per=gpu --time=04:00:00 [--dry_run] -- \
         --config=experiments/char_lm.py --workdir=/shared/runs/lm --config.mesh.shape="(-1,8)"
 
-`srun` starts one process per GPU (--per=gpu: each sees one GPU) or per node (--per=node: each
-sees all of its node's GPUs). zoo detects SLURM and calls jax.distributed.initialize, which
-reads the job's nodes, task count and rank from SLURM's environment. The workdir must be on
+`srun` starts one process per GPU (--per=gpu) or per node (--per=node). zoo detects SLURM and
+calls jax.distributed.initialize, which reads the job's nodes, task count and rank from
+SLURM's environment. Every task sees all of its node's GPUs: per GPU, JAX takes the one at
+the task's local rank; per node, JAX_LOCAL_DEVICE_IDS hands the process all of them. The workdir must be on
 a file system that every node sees. --dry_run prints the script instead of calling sbatch.
 """
 import argparse
@@ -31,11 +32,12 @@ def batch_script(nodes, gpus_per_node, per, time_limit, job_name, zoo_args, part
   ]
   if partition:
     lines.append(f'#SBATCH --partition={partition}')
-  gpu_binding = ' --gpus-per-task=1' if per == 'gpu' else ''
+  lines.append('set -euo pipefail')
+  if per == 'node':  # Else JAX's SLURM detection gives each process only GPU 0.
+    lines.append(f'export JAX_LOCAL_DEVICE_IDS={",".join(str(i) for i in range(gpus_per_node))}')
   lines += [
-      'set -euo pipefail',
       '# One process per task; every process runs the same command.',
-      f'srun --kill-on-bad-exit=1{gpu_binding} python -m zoo.main {shlex.join(zoo_args)}',
+      f'srun --kill-on-bad-exit=1 python -m zoo.main {shlex.join(zoo_args)}',
   ]
   return '\n'.join(lines) + '\n'
 

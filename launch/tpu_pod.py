@@ -1,32 +1,35 @@
 r"""Runs one zoo command on every worker of a Cloud TPU pod slice (a TPU VM).
 
     python launch/tpu_pod.py --tpu=my-v5p-64 --zone=us-east5-a [--project=P] [--dry_run] -- \
-        --config=experiments/char_lm.py --workdir=gs://bucket/runs/lm --config.mesh.shape="(-1,4)"
+        --config=experiments/char_lm.py --workdir=/mnt/runs/lm --config.mesh.shape="(-1,4)"
 
 It packs the committed tree (`git archive HEAD`), copies it to every worker, installs it with
 `jax[tpu]`, and starts `python -m zoo.main` on all workers at once (`--worker=all`). On a TPU VM
 zoo auto-detects the pod and calls jax.distributed.initialize, so no coordinator flags are
-needed. --dry_run prints the exact commands instead of running them.
+needed. The workdir must be a directory every worker mounts (NFS, or a bucket through gcsfuse).
+--dry_run prints the exact commands instead of running them.
 """
 import argparse
+import os
 import shlex
 import subprocess
 import sys
 
 import cli
 
-ARCHIVE = '/tmp/zoo.tar.gz'
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def commands(tpu, zone, project, zoo_args, remote_dir='~/zoo'):
   """The commands, each a list of arguments, that deploy and run on every worker."""
+  archive = f'/tmp/zoo-{tpu}.tar.gz'
   where = [f'--zone={zone}'] + ([f'--project={project}'] if project else [])
   run = (f'mkdir -p {remote_dir} && tar -xzf ~/zoo.tar.gz -C {remote_dir} && cd {remote_dir} && '
          f'python3 -m pip install -q -e . "jax[tpu]" && '
          f'python3 -m zoo.main {shlex.join(zoo_args)}')
   return [
-      ['git', 'archive', '--format=tar.gz', f'--output={ARCHIVE}', 'HEAD'],
-      ['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', ARCHIVE, f'{tpu}:~/zoo.tar.gz', '--worker=all', *where],
+      ['git', '-C', REPO, 'archive', '--format=tar.gz', f'--output={archive}', 'HEAD'],
+      ['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', archive, f'{tpu}:~/zoo.tar.gz', '--worker=all', *where],
       ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', tpu, '--worker=all', *where, f'--command={run}'],
   ]
 

@@ -115,3 +115,11 @@ def test_non_finite_loss_stops_with_the_step_and_is_never_saved(every, tmp_path,
   bad_step = int(re.search(r'at step (\d+)', str(error.value)).group(1))
   saved = [int(s) for s in os.listdir(tmp_path / 'checkpoints') if s.isdigit()]
   assert all(s < bad_step for s in saved), (saved, bad_step)
+
+
+def test_remote_workdir_is_rejected_not_written_locally(tmp_path, devices, monkeypatch):
+  del devices
+  monkeypatch.chdir(tmp_path)  # os.path would turn gs://b/run into ./gs:/b/run.
+  with pytest.raises(ConfigError, match=r'--workdir: gs://b/run: remote URLs are not supported'):
+    train.train_and_evaluate(load_config('mlp_digits'), 'gs://b/run')
+  assert not list(tmp_path.iterdir())

@@ -5,7 +5,7 @@ import sys
 
 from conftest import REPO
 
-ZOO_ARGS = ['--config=experiments/char_lm.py', '--workdir=gs://b/runs/lm', '--config.mesh.shape=(-1, 4)']
+ZOO_ARGS = ['--config=experiments/char_lm.py', '--workdir=/mnt/runs/lm', '--config.mesh.shape=(-1, 4)']
 
 
 def _run(script, *args):
@@ -17,8 +17,9 @@ def _run(script, *args):
 
 def test_tpu_pod_dry_run_deploys_and_runs_on_every_worker():
   lines = _run('tpu_pod.py', '--tpu=pod', '--zone=us-east5-a', '--project=p').splitlines()
-  assert lines[0] == 'git archive --format=tar.gz --output=/tmp/zoo.tar.gz HEAD'
-  assert lines[1] == ("gcloud compute tpus tpu-vm scp /tmp/zoo.tar.gz 'pod:~/zoo.tar.gz' "
+  assert lines[0] == shlex.join(['git', '-C', REPO, 'archive', '--format=tar.gz',
+                                 '--output=/tmp/zoo-pod.tar.gz', 'HEAD'])
+  assert lines[1] == ("gcloud compute tpus tpu-vm scp /tmp/zoo-pod.tar.gz 'pod:~/zoo.tar.gz' "
                       '--worker=all --zone=us-east5-a --project=p')
   ssh = shlex.split(lines[2])
   assert ssh[:8] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod', '--worker=all',
@@ -37,14 +38,19 @@ def test_slurm_dry_run_one_process_per_gpu():
                '#SBATCH --time=02:00:00', '#SBATCH --signal=TERM@120'):
     assert line in script.splitlines()
   srun = [l for l in script.splitlines() if l.startswith('srun')][0]
-  assert srun.startswith('srun --kill-on-bad-exit=1 --gpus-per-task=1 python -m zoo.main ')
+  # No per-task GPU binding: JAX picks the GPU at the task's local rank among all it sees.
+  assert srun.startswith('srun --kill-on-bad-exit=1 python -m zoo.main ')
+  assert 'JAX_LOCAL_DEVICE_IDS' not in script
   assert shlex.split(srun.split('zoo.main ')[1]) == ZOO_ARGS
 
 
 def test_slurm_dry_run_one_process_per_node():
   script = _run('slurm.py', '--nodes=2', '--per=node')
-  assert '#SBATCH --ntasks-per-node=1' in script.splitlines()
-  assert '--gpus-per-task' not in script
+  lines = script.splitlines()
+  assert '#SBATCH --ntasks-per-node=1' in lines
+  assert 'export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7' in lines  # All 8 GPUs to the one process.
+  assert lines.index('export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7') < [
+      i for i, l in enumerate(lines) if l.startswith('srun')][0]
 
 
 def test_launchers_need_zoo_arguments():

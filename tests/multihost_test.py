@@ -1,4 +1,5 @@
 """Several real processes on 127.0.0.1 form one JAX job (jax.distributed, gloo on CPU)."""
+import json
 import os
 import re
 import signal
@@ -55,11 +56,17 @@ def test_two_processes_match_one(one_process, tmp_path):
     assert re.search(rf'\[process {i}\].*step {3 * STEPS}/{3 * STEPS}  loss', result.stdout)
 
 
-def test_hybrid_mesh_with_processes_as_slices(one_process, tmp_path):
-  """mesh.dcn_shape=(2,1): 'batch' spans the 2 processes (slices), 'model' stays inside each."""
+@pytest.mark.parametrize('dcn,layout', [
+    ((1, 1), [[0, 0, 0, 0], [1, 1, 1, 1]]),   # Plain mesh: each process holds a 'batch' row.
+    ((1, 2), [[0, 0, 1, 1], [0, 0, 1, 1]]),   # 2 slices along 'model': each holds half of it.
+])
+def test_hybrid_mesh_places_slices_along_the_dcn_axes(dcn, layout, one_process, tmp_path):
+  """Processes stand in for slices; the layout changes, the losses do not."""
   result = launch(*FLAGS, f'--workdir={tmp_path}', f'--config.train.steps={3 * STEPS}',
-                  '--config.mesh.shape=(4,2)', '--config.mesh.dcn_shape=(2,1)')
+                  '--config.mesh.shape=(2,4)', f'--config.mesh.dcn_shape=({dcn[0]},{dcn[1]})')
   assert result.returncode == 0, result.stdout[-3000:]
+  with open(tmp_path / 'model_info.json', encoding='utf-8') as f:
+    assert json.load(f)['mesh_processes'] == layout
   np.testing.assert_allclose(_losses(str(tmp_path))[0], one_process, rtol=2e-5)
 
 
@@ -103,7 +110,7 @@ def test_survivor_exits_nonzero_in_bounded_time(victim, tmp_path):
   procs = [_start(i, port, tmp_path) for i in (0, 1)]
   try:
     deadline = time.time() + 120
-    while not (tmp_path / 'metrics.jsonl').exists() or not read_metrics(str(tmp_path)):
+    while not (tmp_path / 'metrics.jsonl').exists() or (tmp_path / 'metrics.jsonl').stat().st_size == 0:
       assert time.time() < deadline and all(p.poll() is None for p in procs), 'training did not start'
       time.sleep(0.1)
     procs[victim].send_signal(signal.SIGKILL)
@@ -121,14 +128,25 @@ def test_survivor_exits_nonzero_in_bounded_time(victim, tmp_path):
   print(f'process {1 - victim} exited {rc} after {elapsed:.1f} s: {stderr.strip().splitlines()[-1][:300]}')
 
 
-def _launch_endless(workdir):
-  cmd = [sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--processes=2', '--devices=4',
-         '--', *FLAGS, f'--workdir={workdir}', *ENDLESS]
-  return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+@pytest.fixture
+def endless(tmp_path):
+  """Starts the launcher on a run that never ends by itself; kills it after the test."""
+  procs = []
+  def start():
+    cmd = [sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--processes=2',
+           '--devices=4', '--', *FLAGS, f'--workdir={tmp_path}', *ENDLESS]
+    procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True))
+    return procs[-1]
+  yield start
+  for p in procs:
+    if p.poll() is None:
+      p.kill()  # Its children die with it (PR_SET_PDEATHSIG).
+      p.wait()
 
 
-def test_launcher_stops_the_others_when_one_fails(tmp_path):
-  proc = _launch_endless(tmp_path)
+def test_launcher_stops_the_others_when_one_fails(endless):
+  proc = endless()
   pids = {}
   for line in proc.stdout:
     match = re.match(r'\[launch\] process (\d): pid (\d+)', line)
@@ -140,21 +158,22 @@ def test_launcher_stops_the_others_when_one_fails(tmp_path):
   t0 = time.time()
   rest = proc.stdout.read()
   rc = proc.wait(timeout=60)
-  assert rc != 0 and time.time() - t0 < 30
+  assert rc == 128 + signal.SIGKILL and time.time() - t0 < 30
   assert 'process 1 exited with -9; stopping the others' in rest
   with pytest.raises(ProcessLookupError):
     os.kill(pids[0], 0)  # Process 0 is gone too.
 
 
-def test_launcher_rejects_its_own_flags():
-  result = subprocess.run([sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--',
-                           '--process_id=3'], capture_output=True, text=True, check=False)
+@pytest.mark.parametrize('flag', ['--process_id=3', '-num_processes=2'])
+def test_launcher_rejects_its_own_flags(flag):
+  result = subprocess.run([sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--', flag],
+                          capture_output=True, text=True, check=False)
   assert result.returncode == 2 and 'set by the launcher' in result.stderr
 
 
-def test_sigterm_to_every_process_saves_one_agreed_step(tmp_path):
+def test_sigterm_to_every_process_saves_one_agreed_step(endless, tmp_path):
   """JAX's preemption service catches SIGTERM; orbax's sync point picks one step for all."""
-  proc = _launch_endless(tmp_path)
+  proc = endless()
   for line in proc.stdout:
     if 'step 5/' in line:
       break

@@ -63,11 +63,20 @@ def directory_of(workdir):
   return os.path.abspath(os.path.join(workdir, 'checkpoints'))
 
 
+def exists_on_process_0(workdir):
+  """Whether workdir/checkpoints exists, as process 0 sees it: one answer for every host."""
+  exists = os.path.isdir(directory_of(workdir))
+  if jax.process_count() == 1:
+    return exists
+  return bool(multihost_utils.broadcast_one_to_all(np.array(exists)))
+
+
 def make_manager(workdir, keep, use_async, replica_parallel=False):
   """A manager for `workdir/checkpoints`; incomplete (killed) saves are cleaned up."""
   options = ocp.CheckpointManagerOptions(
       preservation_policy=ocp.checkpoint_managers.LatestN(keep),
-      enable_async_checkpointing=use_async, cleanup_tmp_directories=True, create=True)
+      enable_async_checkpointing=use_async, cleanup_tmp_directories=True, create=True,
+      single_host_load_and_broadcast=True)  # Every host sees process 0's list of steps.
   return ocp.CheckpointManager(directory_of(workdir), item_handlers=_handler(replica_parallel),
                                options=options)
 

@@ -191,6 +191,9 @@ def validate_shardings(param_rows, mesh, rules):
 
 def check_workdir(workdir):
   """Fails if `workdir` cannot be created or written, without creating anything."""
+  if '://' in workdir:
+    raise ConfigError(f'--workdir: {workdir}: remote URLs are not supported yet; use a directory '
+                      'that every host mounts (NFS, or a bucket through gcsfuse)')
   path = os.path.abspath(workdir)
   if os.path.exists(path) and not os.path.isdir(path):
     raise ConfigError(f'--workdir: {workdir} exists and is not a directory; pick another path')

@@ -10,14 +10,19 @@ from zoo.errors import ConfigError
 
 
 def detected_cluster():
-  """The cluster JAX's own auto-detection would join (SLURM, Open MPI, TPU pod, ...), or None."""
+  """The multi-process cluster JAX's own detection would join (SLURM, Open MPI, TPU pod...).
+
+  None where there is none, or it has a single process (an interactive `srun`, one TPU
+  host): those run alone, with no coordinator port to collide on.
+  """
   try:
     from jax._src import clusters  # pylint: disable=import-outside-toplevel
     for env in clusters.ClusterEnv._cluster_types:  # pylint: disable=protected-access
       if not getattr(env, 'opt_in_only_method', False) and env.is_env_present():
-        return env.__name__
-  except (ImportError, AttributeError):  # A JAX without this private registry: run alone.
-    logging.warning('cannot query JAX cluster detection; pass --coordinator_address etc.')
+        return env.__name__ if env.get_process_count() > 1 else None
+  except Exception as e:  # pylint: disable=broad-except  # A private API; detection is best effort.
+    logging.warning('cluster detection failed (%s); running as one process unless '
+                    '--coordinator_address, --num_processes and --process_id are given', e)
   return None
 
 
@@ -41,6 +46,6 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, cp
     if not 0 <= process_id < num_processes:
       raise ConfigError(f'--process_id: {process_id} is not in [0, --num_processes={num_processes})')
     jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
-  elif cluster := detected_cluster():
+  elif not cpu_devices and (cluster := detected_cluster()):  # Emulated devices: always local.
     logging.info('detected a %s: joining its distributed job', cluster)
     jax.distributed.initialize(**timeouts)

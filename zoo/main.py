@@ -1,4 +1,5 @@
 """Trains an experiment: `python -m zoo.main --config=experiments/x.py[:arg] --workdir=DIR`."""
+import os
 import sys
 
 from absl import app
@@ -34,7 +35,21 @@ def main(argv):
                  jax.device_count(), jax.devices())
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except ZooError as e:
-    sys.exit(f'zoo: error: {e}')
+    _exit(f'zoo: error: {e}')
+  except Exception:  # pylint: disable=broad-except
+    logging.exception('zoo: unexpected error')
+    _exit('zoo: error: unexpected error, traceback above')
+
+
+def _exit(message):
+  """Exits 1. With peers, at once: a normal exit would wait for them at JAX's shutdown
+  barrier, so a process failing alone would hang the job; its death instead ends every
+  peer within --heartbeat_timeout."""
+  if jax.process_count() > 1:
+    sys.stderr.write(message + '\n')
+    sys.stderr.flush()
+    os._exit(1)  # pylint: disable=protected-access
+  sys.exit(message)
 
 
 if __name__ == '__main__':

@@ -122,7 +122,7 @@ def initial_state(config, workdir, init, state_shardings, rng):
   c = config.checkpoint
   make_manager = lambda: checkpoint.make_manager(workdir, c.keep, c.async_save, c.replica_parallel)
   manager = None
-  if os.path.isdir(checkpoint.directory_of(workdir)):
+  if checkpoint.exists_on_process_0(workdir):
     manager = make_manager()
     restored, step = checkpoint.restore_latest(manager, target, c.fallback)
     if restored is not None:
@@ -170,7 +170,10 @@ def train_and_evaluate(config, workdir):
     start_step = int(state.step)
     if is_main:
       _write_json(workdir, 'config.json', config.to_json_best_effort(indent=2))
-      _write_json(workdir, 'model_info.json', {'mesh': dict(mesh.shape), 'params': table})
+      _write_json(workdir, 'model_info.json', {
+          'mesh': dict(mesh.shape),
+          'mesh_processes': np.vectorize(lambda d: d.process_index)(mesh.devices).tolist(),
+          'params': table})
     logging.info('mesh %s; config:\n%s', dict(mesh.shape), config)
     logging.info('parameters:\n%s', sharding.format_param_table(table))
 
