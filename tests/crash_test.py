@@ -28,15 +28,18 @@ def _start(workdir, log):
                           cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
-def _wait_for_training(workdir, proc, timeout=120):
+def _wait_for_step(workdir, proc, step, timeout=120):
+  """Returns once the run has logged `step` (it logs every step)."""
   deadline = time.time() + timeout
   path = os.path.join(workdir, 'metrics.jsonl')
   while time.time() < deadline:
     assert proc.poll() is None, 'the run ended before it could be interrupted'
-    if os.path.exists(path) and os.path.getsize(path) > 0:
-      return
-    time.sleep(0.02)
-  raise TimeoutError('training did not start')
+    if os.path.exists(path):
+      with open(path, encoding='utf-8') as f:
+        if sum(line.endswith('\n') for line in f) >= step:
+          return
+    time.sleep(0.005)
+  raise TimeoutError(f'step {step} was not reached')
 
 
 def _train_losses(workdir):
@@ -58,8 +61,11 @@ def test_sigkill_at_a_random_moment_then_resume(trial, reference, tmp_path):
   workdir = str(tmp_path / 'run')
   with open(tmp_path / 'killed.log', 'w', encoding='utf-8') as log:
     proc = _start(workdir, log)
-    _wait_for_training(workdir, proc)
-    time.sleep(random.Random(trial).uniform(0.0, 2.0))
+    # A random step, then a random instant within it: with a save every other step, kills
+    # land in and between saves (the trials so far left N.orbax-checkpoint-tmp behind).
+    rng = random.Random(trial)
+    _wait_for_step(workdir, proc, rng.randint(1, STEPS // 2))
+    time.sleep(rng.uniform(0.0, 0.05))
     assert proc.poll() is None
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
@@ -80,8 +86,7 @@ def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):
   workdir = str(tmp_path / 'run')
   with open(tmp_path / 'stderr.log', 'w+', encoding='utf-8') as log:
     proc = _start(workdir, log)
-    _wait_for_training(workdir, proc)
-    time.sleep(0.3)
+    _wait_for_step(workdir, proc, 3)
     sent = time.time()
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=60)
