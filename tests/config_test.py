@@ -11,7 +11,7 @@ from zoo.config import batch_mesh_axes
 from zoo.errors import ConfigError, NonFiniteError, ZooError
 
 BAD_INPUTS = {
-    'unknown model': ({'model.name': 'gpt5'}, r"config\.model\.name: unknown model 'gpt5'; known: mlp, transformer_lm"),
+    'unknown model': ({'model.name': 'gpt5'}, r"config\.model\.name: unknown model 'gpt5'; known: mlp, cnn, transformer_lm"),
     'wrong mesh product': ({'mesh.shape': (4, 4)}, r'config\.mesh\.shape: \(4, 4\) needs 16 devices but 8 are present'),
     'two -1': ({'mesh.shape': (-1, -1)}, r'config\.mesh\.shape: \(-1, -1\) has more than one -1'),
     'too many sizes': ({'mesh.shape': (4, 2, 1, 1)}, r'config\.mesh\.shape: .* has 4 entries but mesh\.axes'),

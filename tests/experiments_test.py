@@ -8,7 +8,8 @@ import pytest
 from conftest import load_config, read_metrics
 from zoo import train
 
-EXPERIMENTS = {'mlp_digits': 'eval/accuracy', 'char_lm': 'eval/bits_per_char'}
+EXPERIMENTS = {'mlp_digits': 'eval/accuracy', 'cnn_digits': 'eval/accuracy',
+               'char_lm': 'eval/bits_per_char'}
 
 
 @pytest.mark.parametrize('name', sorted(EXPERIMENTS))
@@ -40,6 +41,8 @@ def test_smoke_runs_learn_beyond_chance(tmp_path, devices):
   del devices
   train.train_and_evaluate(load_config('mlp_digits'), str(tmp_path / 'mlp'))
   assert read_metrics(str(tmp_path / 'mlp'))[-1]['eval/accuracy'] > 0.85  # Chance: 0.1.
+  train.train_and_evaluate(load_config('cnn_digits'), str(tmp_path / 'cnn'))
+  assert read_metrics(str(tmp_path / 'cnn'))[-1]['eval/accuracy'] > 0.7
   train.train_and_evaluate(load_config('char_lm'), str(tmp_path / 'lm'))
   # Below the corpus's unigram entropy (4.69 bits): the model uses context.
   assert read_metrics(str(tmp_path / 'lm'))[-1]['eval/bits_per_char'] < 4.3

@@ -13,7 +13,7 @@ def _losses(workdir):
   return np.array([r['train/loss'] for r in read_metrics(workdir) if 'train/loss' in r])
 
 
-@pytest.mark.parametrize('name', ['mlp_digits', 'char_lm'])
+@pytest.mark.parametrize('name', ['mlp_digits', 'cnn_digits', 'char_lm'])
 def test_same_losses_on_every_mesh_and_one_device(name, tmp_path, devices):
   del devices
   overrides = {'train.steps': STEPS, 'train.log_every_steps': 1, 'eval.every_steps': STEPS}

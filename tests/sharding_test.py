@@ -15,7 +15,7 @@ GOLDEN_DIR = os.path.join(os.path.dirname(__file__), 'golden')
 # Regenerate with ZOO_UPDATE_GOLDEN=1 pytest tests/sharding_test.py, only after a deliberate
 # change of a model's parameters or of the standard rules; review the diff.
 UPDATE = os.environ.get('ZOO_UPDATE_GOLDEN') == '1'
-MODELS = {'mlp': 'mlp_digits', 'transformer_lm': 'char_lm'}
+MODELS = {'mlp': 'mlp_digits', 'cnn': 'cnn_digits', 'transformer_lm': 'char_lm'}
 
 
 def _setup(experiment, mesh_shape=(4, 2)):
@@ -70,10 +70,12 @@ def test_state_is_created_in_its_shards(model_name, devices):
     assert m.sharding == p.sharding
 
 
-# The model code's forward constraints (mlp: input, 2 hidden, logits; transformer_lm smoke:
+# The model code's forward constraints (mlp: input, 2 hidden, logits; cnn: input, 2 convs,
+# hidden, logits; transformer_lm smoke:
 # embed, 2 x (q, k, v, attn, mlp, block), logits) plus their transposes in the backward pass,
 # as lowered by JAX 0.10.2. Update only after adding or removing a constraint on purpose.
-@pytest.mark.parametrize('model_name,expected', [('mlp', 7), ('transformer_lm', 28)])
+@pytest.mark.parametrize('model_name,expected', [('mlp', 7), ('cnn', 9),
+                                                 ('transformer_lm', 28)])
 def test_train_step_keeps_activation_constraints(model_name, expected, devices):
   """Constraints silently vanish when traced without mesh + rules: count them."""
   config, mesh, rules, model, tx, batch = _setup(MODELS[model_name])

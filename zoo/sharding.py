@@ -27,6 +27,8 @@ LOGICAL_AXES = {
     'vocab': ('model', 'vocabulary of a language model (padded to a multiple of 128)'),
     'classes': (None, 'output classes of a classifier (few, so replicated)'),
     'len': (None, 'positions of a learned position table'),
+    'conv_height': (None, 'rows of a convolution kernel'),
+    'conv_width': (None, 'columns of a convolution kernel'),
     # Activations.
     'act_batch': ('batch', 'examples of the global batch (data parallel)'),
     'act_len': (None, 'sequence positions'),
@@ -36,6 +38,8 @@ LOGICAL_AXES = {
     'act_kv': (None, 'size of one attention head'),
     'act_vocab': ('model', 'logits over the vocabulary'),
     'act_classes': (None, 'logits over the classes'),
+    'act_height': (None, 'image rows'),
+    'act_width': (None, 'image columns'),
 }
 
 

@@ -1,9 +1,10 @@
 """The model registry: `config.model.name` -> (Linen module, task it solves)."""
-from zoo.models import mlp, transformer_lm
+from zoo.models import cnn, mlp, transformer_lm
 
 # name -> (module class, task). A task names the data a model consumes: see zoo.data.
 MODELS = {
     'mlp': (mlp.MLP, mlp.TASK),
+    'cnn': (cnn.CNN, cnn.TASK),
     'transformer_lm': (transformer_lm.TransformerLM, transformer_lm.TASK),
 }
 
