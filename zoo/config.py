@@ -20,6 +20,8 @@ def base_config():
   c.seed = 0
   c.model = ml_collections.ConfigDict()   # name + the model's constructor fields.
   c.data = ml_collections.ConfigDict()    # name + the loader's options.
+  c.data.name = 'digits'
+  c.data.path = ''                        # text: a UTF-8 file (empty: bundled); npz: required.
   c.mesh = ml_collections.ConfigDict()
   c.mesh.axes = sharding.MESH_AXES
   c.mesh.shape = (-1, 1)                  # One entry may be -1: filled from the device count.
@@ -71,7 +73,7 @@ def validate(config, num_devices):
   _validate_rules(config.logical_axis_rules, config.mesh.axes)
   _, task = models.MODELS[config.model.name]
   data_task = data.DATASETS[config.data.name]
-  if task != data_task:
+  if data_task is not None and task != data_task:
     _fail('data.name', f'model {config.model.name!r} trains on {task} data but '
           f'{config.data.name!r} is {data_task} data; pick a matching model or dataset')
   _validate_sizes(config)
@@ -114,12 +116,14 @@ def _validate_sizes(config):
     values = value if isinstance(value, (tuple, list)) else (value,)
     if any(isinstance(v, int) and not isinstance(v, bool) and v <= 0 for v in values):
       _fail(f'model.{key}', f'sizes must be positive, got {value}')
-  if config.data.name == 'text':
-    if config.data.seq_len <= 0:
-      _fail('data.seq_len', f'must be positive, got {config.data.seq_len}')
-    if config.data.path and not os.path.isfile(config.data.path):
-      _fail('data.path', f'{config.data.path} is not a file; give a UTF-8 text file, or leave it '
-            'empty for the text bundled with Python')
+  if 'seq_len' in config.data and config.data.seq_len <= 0:
+    _fail('data.seq_len', f'must be positive, got {config.data.seq_len}')
+  if config.data.name == 'text' and config.data.path and not os.path.isfile(config.data.path):
+    _fail('data.path', f'{config.data.path} is not a file; give a UTF-8 text file, or leave it '
+          'empty for the text bundled with Python')
+  if config.data.name == 'npz' and not os.path.isfile(config.data.path):
+    _fail('data.path', f'{config.data.path!r} is not a file; give a .npz file with x_train, y_train, '
+          'x_test, y_test (classification) or train_tokens, test_tokens (language)')
   if config.seed < 0:
     _fail('seed', f'must be >= 0, got {config.seed}')
   if config.eval.max_batches < 0:
@@ -167,6 +171,10 @@ def _validate_rules(rules, mesh_axes):
 
 
 def validate_with_data(config, dataset):
+  _, task = models.MODELS[config.model.name]
+  if dataset.task != task:
+    _fail('data.path', f'{config.data.path} holds {dataset.task} data but model '
+          f'{config.model.name!r} trains on {task} data; pick a matching model or file')
   if config.train.batch_size > dataset.num_train:
     _fail('train.batch_size', f'{config.train.batch_size} exceeds the {dataset.num_train} '
           f'training examples of {config.data.name!r}')

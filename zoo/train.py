@@ -145,7 +145,7 @@ def train_and_evaluate(config, workdir):
   cfg.check_workdir(workdir)
   dataset = data.load(config.data, config.seed)
   cfg.validate_with_data(config, dataset)
-  task = data.DATASETS[config.data.name]
+  task = dataset.task
 
   mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, dcn_shape=config.mesh.dcn_shape)
   rules = [tuple(r) for r in config.logical_axis_rules]

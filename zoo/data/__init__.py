@@ -17,6 +17,7 @@ from zoo.errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class Dataset:
   """What the trainer needs of a dataset. `rows` selects this process's slice of a batch."""
+  task: str                 # 'classification' or 'lm': the models that can consume it.
   model_fields: dict        # Fields the model takes from the data, e.g. {'num_classes': 10}.
   # (step, global_batch_size, rows) -> local batch; a pure function of seed and step.
   train_batch: Callable[[int, int, slice], dict]
@@ -27,14 +28,15 @@ class Dataset:
   encode: Optional[Callable[[str], np.ndarray]] = None   # Text -> token ids (LM only).
 
 
-# name -> task, so a config can be checked against its model before any data loads.
-DATASETS = {'digits': 'classification', 'text': 'lm'}
+# name -> task, so a config can be checked against its model before any data loads
+# (None: the file decides, checked once it is loaded).
+DATASETS = {'digits': 'classification', 'text': 'lm', 'npz': None}
 
 
 def load(data_config, seed):
   """The dataset named by `data_config.name`."""
-  from zoo.data import digits, text  # pylint: disable=import-outside-toplevel
-  loaders = {'digits': digits.load, 'text': text.load}
+  from zoo.data import digits, npz, text  # pylint: disable=import-outside-toplevel
+  loaders = {'digits': digits.load, 'text': text.load, 'npz': npz.load}
   return loaders[data_config.name](data_config, seed)
 
 

@@ -18,8 +18,11 @@ def load(data_config, seed):
   y = digits.target.astype(np.int32)
   perm = np.random.default_rng(SPLIT_SEED).permutation(len(y))
   train, test = perm[NUM_TEST:], perm[:NUM_TEST]
-  x_train, y_train, x_test, y_test = x[train], y[train], x[test], y[test]
+  return arrays_dataset(x[train], y[train], x[test], y[test], seed, num_classes=10)
 
+
+def arrays_dataset(x_train, y_train, x_test, y_test, seed, num_classes):
+  """A classification Dataset over in-memory arrays: a fresh permutation per epoch."""
   def train_batch(step, global_batch_size, rows):
     idx = epoch_order(seed, len(y_train), step, global_batch_size)[rows]
     return {'inputs': x_train[idx], 'targets': y_train[idx]}
@@ -27,5 +30,5 @@ def load(data_config, seed):
   def eval_batches(global_batch_size, rows):
     return padded_batches({'inputs': x_test, 'targets': y_test}, global_batch_size, rows)
 
-  return Dataset(model_fields={'num_classes': 10},
+  return Dataset(task='classification', model_fields={'num_classes': num_classes},
                  train_batch=train_batch, eval_batches=eval_batches, num_train=len(y_train))

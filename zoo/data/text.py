@@ -35,11 +35,20 @@ def load(data_config, seed):
 
   tokens = encode(corpus)
   split = int(len(tokens) * (1 - EVAL_FRACTION))
-  train, held_out = tokens[:split], tokens[split:]
-  window = data_config.seq_len + 1
-  if len(held_out) < window:
+  if len(tokens) - split < data_config.seq_len + 1:
     raise ConfigError(f'config.data.path: its last {EVAL_FRACTION:.0%} (the eval split) is shorter '
-                      f'than data.seq_len + 1 = {window} characters; give a longer text')
+                      f'than data.seq_len + 1 = {data_config.seq_len + 1} characters; give a longer text')
+  return token_windows(tokens[:split], tokens[split:], data_config.seq_len, seed, len(chars),
+                       decode=decode, encode=encode)
+
+
+def token_windows(train, held_out, seq_len, seed, vocab_size, decode, encode=None):
+  """A language-modelling Dataset over two 1-D token arrays.
+
+  Training windows start at random positions, a function of (seed, step); eval windows
+  tile the held-out tokens without overlap.
+  """
+  window = seq_len + 1
 
   def train_batch(step, global_batch_size, rows):
     starts = np.random.default_rng([seed, step]).integers(
@@ -52,6 +61,6 @@ def load(data_config, seed):
     w = held_out[:n * window].reshape(n, window)
     return padded_batches({'inputs': w[:, :-1], 'targets': w[:, 1:]}, global_batch_size, rows)
 
-  return Dataset(model_fields={'vocab_size': len(chars)},
+  return Dataset(task='lm', model_fields={'vocab_size': vocab_size},
                  train_batch=train_batch, eval_batches=eval_batches,
                  num_train=len(train) // window, decode=decode, encode=encode)
