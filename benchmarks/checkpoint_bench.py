@@ -69,9 +69,7 @@ def build(config, mesh_shape, materialise=True):
     init, boxed = train.abstract_state(model, tx, jnp.zeros(example.shape, example.dtype),
                                        jax.random.key(0))
     shardings = sharding.logical_shardings(boxed, mesh, rules)
-    abstract = jax.eval_shape(lambda r: nn.meta.unbox(init(r)), jax.random.key(0))
-    target = checkpoint.abstract_target(checkpoint.saved_tree(abstract),
-                                        checkpoint.saved_tree(shardings))
+    _, target = train.restore_target(init, shardings, jax.random.key(0))
     tree = None
     if materialise:
       tree = checkpoint.saved_tree(train.create_train_state(init, jax.random.key(0), shardings))

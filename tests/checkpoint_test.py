@@ -38,8 +38,7 @@ def _restore(workdir, config, step=None):
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     init, boxed = train.abstract_state(model, tx, inputs, jax.random.key(0))
     shardings = sharding.logical_shardings(boxed, mesh, rules)
-    abstract = jax.eval_shape(lambda r: nn.meta.unbox(init(r)), jax.random.key(0))
-    target = checkpoint.abstract_target(checkpoint.saved_tree(abstract), checkpoint.saved_tree(shardings))
+    _, target = train.restore_target(init, shardings, jax.random.key(0))
     manager = checkpoint.make_manager(workdir, 10, False)
     step = manager.latest_step() if step is None else step
     tree = manager.restore(step, args=checkpoint.restore_args(target))

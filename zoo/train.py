@@ -109,6 +109,13 @@ def _write_json(workdir, name, obj):
     f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
 
 
+def restore_target(init, state_shardings, rng):
+  """(abstract unboxed state, the checkpointed part of it carrying the current shardings)."""
+  model_state = jax.eval_shape(lambda r: nn.meta.unbox(init(r)), rng)
+  return model_state, checkpoint.abstract_target(checkpoint.saved_tree(model_state),
+                                                 checkpoint.saved_tree(state_shardings))
+
+
 def initial_state(config, workdir, init, state_shardings, rng):
   """Resumes from the newest checkpoint in the workdir, else warm-starts or initialises.
 
@@ -116,9 +123,7 @@ def initial_state(config, workdir, init, state_shardings, rng):
   whatever mesh wrote the checkpoint. A checkpoint (or init_from) that does not fit fails
   before anything is written.
   """
-  model_state = jax.eval_shape(lambda r: nn.meta.unbox(init(r)), rng)
-  target = checkpoint.abstract_target(checkpoint.saved_tree(model_state),
-                                      checkpoint.saved_tree(state_shardings))
+  model_state, target = restore_target(init, state_shardings, rng)
   c = config.checkpoint
   make_manager = lambda: checkpoint.make_manager(workdir, c.keep, c.async_save, c.replica_parallel)
   manager = None
