@@ -33,17 +33,13 @@ import numpy as np  # pylint: disable=wrong-import-position
 import orbax.checkpoint as ocp  # pylint: disable=wrong-import-position
 
 from zoo import checkpoint, data, models, optim, sharding, train  # pylint: disable=wrong-import-position
-from zoo.config import base_config  # pylint: disable=wrong-import-position
+from zoo.config import base_config, load_experiment  # pylint: disable=wrong-import-position
 
 EXPERIMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'experiments')
 
 
 def _experiment(name):
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  spec = importlib.util.spec_from_file_location(name, os.path.join(EXPERIMENTS, f'{name}.py'))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+  return load_experiment(os.path.join(EXPERIMENTS, f'{name}.py'))
 
 
 def _lm_100mb():
@@ -64,10 +60,10 @@ def build(config, mesh_shape, materialise=True):
   rules = [tuple(r) for r in config.logical_axis_rules]
   model = models.build(config.model, **dataset.model_fields)
   tx, _ = optim.make_optimizer(config.train.steps, **config.optimizer)
-  example = dataset.train_batch(0, config.train.batch_size, slice(0, 1))['inputs']
+  example = jax.tree.map(jnp.zeros_like, dataset.train_batch(0, config.train.batch_size,
+                                                            slice(0, 1)))
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    init, boxed = train.abstract_state(model, tx, jnp.zeros(example.shape, example.dtype),
-                                       jax.random.key(0))
+    init, boxed = train.abstract_state(model, tx, example, jax.random.key(0))
     shardings = sharding.logical_shardings(boxed, mesh, rules)
     _, target = train.restore_target(init, shardings, jax.random.key(0))
     tree = None

@@ -34,9 +34,9 @@ def _restore(workdir, config, step=None):
   rules = [tuple(r) for r in config.logical_axis_rules]
   model = models.build(config.model, **dataset.model_fields)
   tx, _ = optim.make_optimizer(config.train.steps, **config.optimizer)
-  inputs = jnp.zeros((1, 8, 8, 1))
+  example = {'inputs': jnp.zeros((1, 8, 8, 1)), 'targets': jnp.zeros((1,), jnp.int32)}
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    init, boxed = train.abstract_state(model, tx, inputs, jax.random.key(0))
+    init, boxed = train.abstract_state(model, tx, example, jax.random.key(0))
     shardings = sharding.logical_shardings(boxed, mesh, rules)
     _, target = train.restore_target(init, shardings, jax.random.key(0))
     manager = checkpoint.make_manager(workdir, 10, False)

@@ -11,7 +11,7 @@ from zoo.config import batch_mesh_axes
 from zoo.errors import ConfigError, NonFiniteError, ZooError
 
 BAD_INPUTS = {
-    'unknown model': ({'model.name': 'gpt5'}, r"config\.model\.name: unknown model 'gpt5'; known: mlp, cnn, transformer_lm"),
+    'unknown model': ({'model.name': 'gpt5'}, r"config\.model\.name: unknown model 'gpt5'; known: mlp, cnn, resnet, vit, transformer_lm, encoder_decoder"),
     'wrong mesh product': ({'mesh.shape': (4, 4)}, r'config\.mesh\.shape: \(4, 4\) needs 16 devices but 8 are present'),
     'two -1': ({'mesh.shape': (-1, -1)}, r'config\.mesh\.shape: \(-1, -1\) has more than one -1'),
     'too many sizes': ({'mesh.shape': (4, 2, 1, 1)}, r'config\.mesh\.shape: .* has 4 entries but mesh\.axes'),
@@ -41,6 +41,20 @@ BAD_INPUTS = {
     'zero seq_len': ({'data.seq_len': 0}, r'config\.data\.seq_len: must be positive', 'char_lm'),
     'missing text file': ({'data.path': '/nonexistent/corpus.txt'},
                           r'config\.data\.path: /nonexistent/corpus\.txt is not a file', 'char_lm'),
+    'unknown remat policy': ({'model.remat': 'some'}, r"config\.model\.remat: unknown remat 'some'; known: none, full, dots", 'char_lm'),
+    'unknown dtype': ({'model.dtype': 'float16'}, r"config\.model\.dtype: unknown dtype 'float16'; known: float32, bfloat16", 'char_lm'),
+    'unknown positions': ({'model.positions': 'alibi'}, r"config\.model\.positions: unknown positions 'alibi'", 'char_lm'),
+    'odd rotary head size': ({'model.positions': 'rotary', 'model.num_heads': 64},
+                             r'config\.model\.positions: rotary positions need an even head size', 'char_lm'),
+    'dropout of one': ({'model.dropout_rate': 1.0}, r'config\.model\.dropout_rate: must be in \[0, 1\), got 1\.0', 'char_lm'),
+    'microbatches do not divide': ({'train.microbatches': 5}, r'config\.train\.microbatches: 5: train\.batch_size=128'),
+    'unknown seq problem': ({'data.problem': 'multiply'}, r"config\.data\.problem: unknown problem 'multiply'; known: add, reverse, sort", 'seq_sort'),
+    'seq longer than max_len': ({'data.digits': 17}, r'config\.model\.max_len: 16 is shorter than the 17 positions', 'seq_sort'),
+    'too few held-out examples': ({'data.digits': 2}, r"config\.data\.num_eval: 64 exceeds the 2 distinct held-out 'sort' examples", 'seq_sort'),
+    'zero num_eval': ({'data.num_eval': 0}, r'config\.data\.num_eval: must be positive, got 0', 'seq_sort'),
+    'resnet features per stage': ({'model.features': (8,)}, r'config\.model\.features: \(8,\) must give one channel count per stage', 'resnet_digits'),
+    'vit patch does not divide': ({'model.patch_size': 3}, r'config\.model\.patch_size: 3 does not divide the 8x8 images', 'vit_digits'),
+    'unknown vit pool': ({'model.pool': 'max'}, r"config\.model\.pool: unknown pool 'max'; known: cls, mean", 'vit_digits'),
     'init_from missing': ({'checkpoint.init_from': '/nonexistent/run'},
                           r'config\.checkpoint\.init_from: /nonexistent/run is not a directory'),
 }

@@ -1,11 +1,23 @@
 """Tests run on 8 emulated CPU devices, set up before JAX initialises."""
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
 os.environ['JAX_PLATFORMS'] = 'cpu'
+# One XLA compilation cache for this session's processes (the tests and every CLI or
+# multi-process job they start, which inherit the environment): the same small programs
+# compile once instead of in each subprocess, which takes minutes off the suite. Fresh and
+# empty each session, so no test depends on an earlier run.
+_CACHE = tempfile.mkdtemp(prefix='zoo-test-jax-cache-')
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE
+os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
+os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 
 import pytest  # pylint: disable=wrong-import-position
 
@@ -18,11 +30,8 @@ def experiment(name):
 
 def load_config(name, arg='smoke', **overrides):
   """An experiment's config with dotted overrides, e.g. {'train.steps': 5}."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  spec = importlib.util.spec_from_file_location(name, experiment(name))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(arg)
+  from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
+  config = load_experiment(experiment(name), arg)
   for key, value in overrides.items():
     *groups, leaf = key.split('.')
     node = config
@@ -50,3 +59,65 @@ def devices():
   import jax  # pylint: disable=import-outside-toplevel
   assert jax.device_count() == 8, 'tests expect 8 emulated CPU devices'
   return jax.devices()
+
+
+_TRAINERS = {}
+
+
+def trainer(experiment, **overrides):
+  """A Trainer for the experiment's smoke config with `overrides`, built once per session."""
+  key = (experiment, repr(sorted(overrides.items())))
+  if key not in _TRAINERS:
+    _TRAINERS[key] = Trainer(load_config(experiment, **overrides))
+  return _TRAINERS[key]
+
+
+class Trainer:
+  """An experiment's model, state and jitted steps on its mesh, in process, for numerics tests."""
+
+  def __init__(self, config):
+    from zoo import config as cfg, data, models, optim, sharding, train  # pylint: disable=import-outside-toplevel
+    import flax.linen as nn  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
+    cfg.validate(config, jax.device_count())  # No test runs a config that a user could not.
+    self.config, self.jax, self.nn, self.train, self.data = config, jax, nn, train, data
+    self.dataset = data.load(config.data, config.seed)
+    self.mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
+    self.rules = [tuple(r) for r in config.logical_axis_rules]
+    self.model = models.build(config.model, **self.dataset.model_fields)
+    tx, _ = optim.make_optimizer(config.train.steps, **config.optimizer)
+    self.batch_sharding = jax.sharding.NamedSharding(
+        self.mesh, jax.sharding.PartitionSpec(cfg.batch_mesh_axes(config) or None))
+    example = jax.tree.map(lambda x: x * 0, self.dataset.train_batch(0, config.train.batch_size,
+                                                                    slice(0, 1)))
+    self.example = example
+    with self.scope():
+      rng = jax.random.key(config.seed)  # As train.train_and_evaluate does.
+      self.init, self.boxed = train.abstract_state(self.model, tx, example, rng)
+      self.shardings = sharding.logical_shardings(self.boxed, self.mesh, self.rules)
+      self.initial = train.create_train_state(self.init, rng, self.shardings)
+      self.state = self.initial
+      self.p_train, self.p_eval = train.jit_steps(
+          self.shardings, self.batch_sharding, jax.random.fold_in(rng, 1), config.train.microbatches)
+
+  def scope(self):
+    import contextlib  # pylint: disable=import-outside-toplevel
+    stack = contextlib.ExitStack()
+    stack.enter_context(self.jax.set_mesh(self.mesh))
+    stack.enter_context(self.nn.logical_axis_rules(self.rules))
+    return stack
+
+  def batch(self, step):
+    size = self.config.train.batch_size
+    return self.data.to_global(self.dataset.train_batch(step, size, slice(None)),
+                               self.batch_sharding, size)
+
+  def run(self, steps):
+    """Trains `steps` steps from the initial state into `self.state`; returns the losses."""
+    losses = []
+    with self.scope():
+      self.state = self.jax.tree.map(lambda x: x.copy(), self.initial)  # The step donates it.
+      for step in range(steps):
+        self.state, metrics = self.p_train(self.state, self.batch(step))
+        losses.append(float(metrics['train/loss']))
+    return losses

@@ -56,7 +56,7 @@ def reference(tmp_path_factory):
   return _train_losses(workdir), read_metrics(workdir)[-1]
 
 
-@pytest.mark.parametrize('trial', range(3))
+@pytest.mark.parametrize('trial', range(1))  # A random moment each CI run.
 def test_sigkill_at_a_random_moment_then_resume(trial, reference, tmp_path):
   workdir = str(tmp_path / 'run')
   with open(tmp_path / 'killed.log', 'w', encoding='utf-8') as log:

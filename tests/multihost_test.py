@@ -51,13 +51,15 @@ def test_two_processes_match_one(one_process, tmp_path):
   losses, steps = _losses(str(tmp_path))
   assert steps == list(range(1, 3 * STEPS + 1))  # Only process 0 writes metrics.
   np.testing.assert_allclose(losses, one_process, rtol=2e-5)
+  with open(tmp_path / 'model_info.json', encoding='utf-8') as f:  # Each holds 2 'batch' rows.
+    assert json.load(f)['mesh_processes'] == [[0, 0], [0, 0], [1, 1], [1, 1]]
   for i in (0, 1):  # Both processes ran the same steps with the same losses.
     assert f'[process {i}] ' in result.stdout
     assert re.search(rf'\[process {i}\].*step {3 * STEPS}/{3 * STEPS}  loss', result.stdout)
 
 
+# (A plain mesh, each process holding a 'batch' row, is test_two_processes_match_one's.)
 @pytest.mark.parametrize('dcn,layout', [
-    ((1, 1), [[0, 0, 0, 0], [1, 1, 1, 1]]),   # Plain mesh: each process holds a 'batch' row.
     ((1, 2), [[0, 0, 1, 1], [0, 0, 1, 1]]),   # 2 slices along 'model': each holds half of it.
 ])
 def test_hybrid_mesh_places_slices_along_the_dcn_axes(dcn, layout, one_process, tmp_path):

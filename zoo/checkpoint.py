@@ -1,7 +1,8 @@
 """Orbax checkpoints of the sharded train state: save, resume on any mesh, warm-start.
 
-The saved tree is `{'step', 'params', 'opt_state'}`. Batches and per-step randomness are
-functions of (seed, step), so the step is the whole data and RNG position. Every process
+The saved tree is `{'step', 'params', 'opt_state'}`, plus `model_state` for models with
+BatchNorm statistics. Batches and per-step randomness are functions of (seed, step), so
+the step is the whole data and RNG position. Every process
 writes its own shards; restores read into abstract targets that carry the *current*
 shardings, so a checkpoint written on one mesh restores onto any other.
 """
@@ -33,8 +34,14 @@ def _shapes(tree):
 
 
 def saved_tree(state):
-  """The part of a TrainState that is checkpointed (the rest is code: apply_fn, tx)."""
-  return {'step': state.step, 'params': state.params, 'opt_state': state.opt_state}
+  """The part of a TrainState that is checkpointed (the rest is code: apply_fn, tx).
+
+  A model's mutable collections (BatchNorm statistics) are saved as `model_state`.
+  """
+  tree = {'step': state.step, 'params': state.params, 'opt_state': state.opt_state}
+  if state.model_state:
+    tree['model_state'] = state.model_state
+  return tree
 
 
 def abstract_target(tree, shardings):
@@ -159,23 +166,23 @@ def _move_aside(manager, step):
   manager.reload()
 
 
-def restore_params(path, params_target):
+def restore_params(path, params_target, field='config.checkpoint.init_from'):
   """Params only, from another run's workdir or checkpoint directory (its latest step)."""
   directory = os.path.abspath(path)
   if os.path.isdir(os.path.join(directory, 'checkpoints')):
     directory = os.path.join(directory, 'checkpoints')
   if not os.path.isdir(directory):
-    raise CheckpointError(f'config.checkpoint.init_from: {path} is not a directory; give a '
+    raise CheckpointError(f'{field}: {path} is not a directory; give a '
                           'run\'s workdir or its checkpoints/ directory')
   with ocp.CheckpointManager(directory, item_handlers=_handler(),
                              options=ocp.CheckpointManagerOptions(read_only=True)) as source:
     step = source.latest_step()
     if step is None:
-      raise CheckpointError(f'config.checkpoint.init_from: no complete checkpoint in {directory}')
+      raise CheckpointError(f'{field}: no complete checkpoint in {directory}')
     target = {'params': params_target}
     count, shown = _mismatches(_shapes(source.item_metadata(step)), _shapes(target), only_wanted=True)
     if count:
-      raise CheckpointError(f'config.checkpoint.init_from: step {step} in {directory} does not '
+      raise CheckpointError(f'{field}: step {step} in {directory} does not '
                             f'match the configured model: {shown}')
     restored = source.restore(step, args=ocp.args.PyTreeRestore(
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),

@@ -11,6 +11,7 @@ import flax.linen as nn
 import ml_collections
 
 from zoo import data, models, optim, sharding
+from zoo.models import transformer
 from zoo.errors import ConfigError
 
 
@@ -31,6 +32,7 @@ def base_config():
   c.train.steps = 1000
   c.train.batch_size = 128                # Global, over all processes and devices.
   c.train.log_every_steps = 50
+  c.train.microbatches = 1                # Gradient accumulation: k microbatches per step.
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = 'adamw'              # One of optim.OPTIMIZERS.
   c.optimizer.learning_rate = 1e-3        # Peak, reached after warmup.
@@ -59,6 +61,15 @@ def base_config():
   return c
 
 
+def load_experiment(path, arg=None):
+  """`get_config(arg)` of an experiment file (what --config=PATH:ARG loads), for scripts."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
 def _fail(field, message):
   raise ConfigError(f'config.{field}: {message}')
 
@@ -77,12 +88,11 @@ def validate(config, num_devices):
     _fail('data.name', f'model {config.model.name!r} trains on {task} data but '
           f'{config.data.name!r} is {data_task} data; pick a matching model or dataset')
   _validate_sizes(config)
-  if config.model.name == 'transformer_lm':
-    if config.model.d_model % config.model.num_heads:
-      _fail('model.num_heads', f'{config.model.num_heads} does not divide '
-            f'model.d_model={config.model.d_model}')
-    if config.model.max_len < config.data.seq_len:
-      _fail('model.max_len', f'{config.model.max_len} is shorter than data.seq_len={config.data.seq_len}')
+  if config.model.name == 'resnet' and len(config.model.stage_sizes) != len(config.model.features):
+    _fail('model.features', f'{tuple(config.model.features)} must give one channel count per stage '
+          f'of model.stage_sizes={tuple(config.model.stage_sizes)}')
+  if 'num_heads' in config.model:
+    _validate_transformer(config)
   for field in ('train.steps', 'train.batch_size', 'train.log_every_steps',
                 'eval.every_steps', 'eval.batch_size', 'checkpoint.every_steps', 'checkpoint.keep'):
     group, key = field.split('.')
@@ -102,6 +112,36 @@ def validate(config, num_devices):
     if config[group][key] % batch_shards:
       _fail(field, f'{config[group][key]} is not divisible by the {batch_shards} shards of the '
             f'batch (mesh axes {batch_mesh_axes(config)}); use a multiple of {batch_shards}')
+  k = config.train.microbatches
+  if k <= 0 or config.train.batch_size % (k * batch_shards):
+    _fail('train.microbatches', f'{k}: train.batch_size={config.train.batch_size} must split into '
+          f'{k} microbatches that each divide over the {batch_shards} batch shards; use a '
+          f'positive divisor of {config.train.batch_size // batch_shards}')
+
+
+def _validate_transformer(config):
+  """The Transformer families' switches (see zoo.models.transformer) and lengths."""
+  m = config.model
+  if m.d_model % m.num_heads:
+    _fail('model.num_heads', f'{m.num_heads} does not divide model.d_model={m.d_model}')
+  choices = {'remat': tuple(transformer.REMAT_POLICIES), 'dtype': transformer.DTYPES,
+             'positions': transformer.POSITIONS}
+  for key, known in choices.items():
+    if key in m and m[key] not in known:
+      _fail(f'model.{key}', f'unknown {key} {m[key]!r}; known: {", ".join(known)}')
+  if m.get('positions') == 'rotary' and (m.d_model // m.num_heads) % 2:
+    _fail('model.positions', f'rotary positions need an even head size, got '
+          f'd_model/num_heads = {m.d_model // m.num_heads}')
+  if m.name == 'vit' and m.get('pool', 'cls') not in ('cls', 'mean'):
+    _fail('model.pool', f"unknown pool {m.pool!r}; known: cls, mean")
+  if not 0 <= m.get('dropout_rate', 0.0) < 1:
+    _fail('model.dropout_rate', f'must be in [0, 1), got {m.dropout_rate}')
+  lengths = {'text': config.data.get('seq_len'), 'npz': config.data.get('seq_len'),
+             'seq': (2 * config.data.get('digits', 0) + 1 if config.data.get('problem') == 'add'
+                     else config.data.get('digits', 0))}
+  needed = lengths.get(config.data.name)
+  if 'max_len' in m and needed and m.max_len < needed:
+    _fail('model.max_len', f'{m.max_len} is shorter than the {needed} positions of the data')
 
 
 def batch_mesh_axes(config):
@@ -124,6 +164,14 @@ def _validate_sizes(config):
   if config.data.name == 'npz' and not os.path.isfile(config.data.path):
     _fail('data.path', f'{config.data.path!r} is not a file; give a .npz file with x_train, y_train, '
           'x_test, y_test (classification) or train_tokens, test_tokens (language)')
+  if config.data.name == 'seq':
+    from zoo.data import seq  # pylint: disable=import-outside-toplevel
+    if config.data.get('problem') not in seq.PROBLEMS:
+      _fail('data.problem', f'unknown problem {config.data.get("problem")!r}; known: {", ".join(seq.PROBLEMS)}')
+    if not 1 <= config.data.get('digits', 0) <= 18:
+      _fail('data.digits', f'must be in 1..18 (int64 sums), got {config.data.get("digits")}')
+    if config.data.get('num_eval', 0) <= 0:
+      _fail('data.num_eval', f'must be positive, got {config.data.get("num_eval")}')
   if config.seed < 0:
     _fail('seed', f'must be >= 0, got {config.seed}')
   if config.eval.max_batches < 0:
@@ -175,6 +223,11 @@ def validate_with_data(config, dataset):
   if dataset.task != task:
     _fail('data.path', f'{config.data.path} holds {dataset.task} data but model '
           f'{config.model.name!r} trains on {task} data; pick a matching model or file')
+  if config.model.name == 'vit':
+    image = dataset.train_batch(0, 1, slice(0, 1))['inputs'].shape[1:3]
+    if any(size % config.model.patch_size for size in image):
+      _fail('model.patch_size', f'{config.model.patch_size} does not divide the {image[0]}x{image[1]} '
+            'images; pick a divisor of both sides')
   if config.train.batch_size > dataset.num_train:
     _fail('train.batch_size', f'{config.train.batch_size} exceeds the {dataset.num_train} '
           f'training examples of {config.data.name!r}')

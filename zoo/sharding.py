@@ -29,6 +29,7 @@ LOGICAL_AXES = {
     'len': (None, 'positions of a learned position table'),
     'conv_height': (None, 'rows of a convolution kernel'),
     'conv_width': (None, 'columns of a convolution kernel'),
+    'layers': (None, 'stacked layers of an nn.scan (model.scan_layers); replicated'),
     # Activations.
     'act_batch': ('batch', 'examples of the global batch (data parallel)'),
     'act_len': (None, 'sequence positions'),
@@ -46,6 +47,22 @@ LOGICAL_AXES = {
 def standard_rules():
   """The default rules: a list of (logical name, mesh axis or None), Flax's convention."""
   return [(name, axis) for name, (axis, _) in LOGICAL_AXES.items()]
+
+
+def fsdp_rules():
+  """Standard rules plus FSDP (ZeRO-3 style): parameters' 'embed' axis split over 'batch'.
+
+  Every weight matrix touches 'embed', so parameter and optimizer bytes per device fall
+  roughly as 1/(batch shards); each layer's weights are all-gathered as it runs, and
+  their gradients reduce-scattered. Activations keep their own names and are unchanged.
+  """
+  return [(name, 'batch' if name == 'embed' else axis) for name, axis in standard_rules()]
+
+
+def per_device_bytes(tree):
+  """Bytes of one device's shards of `tree`: jax.Arrays or ShapeDtypeStructs with shardings."""
+  return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+             for leaf in jax.tree.leaves(tree))
 
 
 def resolve_mesh_shape(shape, num_devices):

@@ -5,8 +5,10 @@ import json
 import math
 import os
 import time
+from typing import Any
 
 from absl import logging
+import flax
 import flax.linen as nn
 from flax.training import train_state
 import jax
@@ -19,20 +21,67 @@ from zoo import checkpoint, data, metrics, models, optim, sharding
 from zoo.errors import NonFiniteError
 from zoo.models import transformer_lm
 
-TrainState = train_state.TrainState
+# Variable collections a model updates as it trains (BatchNorm's running statistics):
+# they live in the train state, are sharded like any state and are checkpointed.
+STATE_COLLECTIONS = ('batch_stats',)
 
 
-def train_step(state, batch):
-  """One optimizer step on a global batch; returns the new state and scalar metrics."""
-  def loss_fn(params):
-    logits = state.apply_fn({'params': params}, batch['inputs'])
-    return optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), batch['targets']).mean()
+class TrainState(train_state.TrainState):
+  """Flax's TrainState plus the model's mutable collections (empty for most models)."""
+  model_state: Any = flax.struct.field(default_factory=dict)
 
-  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+
+def model_inputs(batch):
+  """The model's positional inputs: the source, and for seq2seq the shifted target."""
+  return [batch[k] for k in ('inputs', 'decoder_inputs') if k in batch]
+
+
+def _loss(params, state, batch, rng):
+  """Mean cross-entropy of a batch, and the model state the forward pass updated."""
+  logits, model_state = state.apply_fn(
+      {'params': params, **state.model_state}, *model_inputs(batch), train=True,
+      rngs={'dropout': rng}, mutable=list(state.model_state))
+  loss = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), batch['targets']).mean()
+  return loss, model_state
+
+
+def _microbatches(x, k):
+  """[B, ...] -> [k, B/k, ...], microbatch i = rows i, i+k, ...: each keeps every shard's share."""
+  x = jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
+  return nn.with_logical_constraint(x, (None, 'act_batch') + (None,) * (x.ndim - 2))
+
+
+def train_step(state, batch, rng, microbatches=1):
+  """One optimizer step on a global batch; returns the new state and scalar metrics.
+
+  Dropout keys derive from (rng, step), so a resumed run draws the same masks. With
+  `microbatches` k > 1 the batch's gradient is the mean of k microbatch gradients,
+  accumulated in float32 under `lax.scan`: activations of one microbatch live at a time.
+  """
+  rng = jax.random.fold_in(rng, state.step)
+  grad_fn = jax.value_and_grad(_loss, has_aux=True)
+  if microbatches == 1:
+    (loss, model_state), grads = grad_fn(state.params, state, batch, rng)
+  else:
+    def accumulate(carry, xs):
+      loss_sum, grad_sum, model_state = carry
+      index, micro = xs
+      (loss, model_state), grads = grad_fn(
+          state.params, state.replace(model_state=model_state), micro, jax.random.fold_in(rng, index))
+      grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
+      return (loss_sum + loss, grad_sum, model_state), None
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    micro = jax.tree.map(lambda x: _microbatches(x, microbatches), batch)
+    (loss, grads, model_state), _ = jax.lax.scan(
+        accumulate, (jnp.zeros((), jnp.float32), zeros, state.model_state),
+        (jnp.arange(microbatches), micro))
+    loss = loss / microbatches
+    grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, state.params)
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                            model_state=model_state)
   return new_state, {
       'train/loss': loss,
       'train/grad_norm': optax.tree.norm(grads),
@@ -42,21 +91,27 @@ def train_step(state, batch):
 
 
 def eval_step(state, batch):
-  """Sums of loss, correct predictions and weight over a batch (per token for an LM)."""
-  logits = state.apply_fn({'params': state.params}, batch['inputs']).astype(jnp.float32)
+  """Sums over a batch of loss, correct predictions, weight (per token for sequences) and
+  exactly matched examples (every position right; for seq2seq, see `evaluate`)."""
+  logits = state.apply_fn({'params': state.params, **state.model_state},
+                          *model_inputs(batch)).astype(jnp.float32)
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
   weights = jnp.broadcast_to(
       batch['weights'].reshape(batch['weights'].shape + (1,) * (loss.ndim - 1)), loss.shape)
   correct = jnp.argmax(logits, axis=-1) == batch['targets']
+  exact = correct.reshape(correct.shape[0], -1).all(axis=1)
   return {'loss': (loss * weights).sum(), 'correct': (correct * weights).sum(),
-          'weight': weights.sum()}
+          'weight': weights.sum(), 'exact': (exact * batch['weights']).sum(),
+          'examples': batch['weights'].sum()}
 
 
-def abstract_state(model, tx, inputs, rng):
+def abstract_state(model, tx, example_batch, rng):
   """The train state's shapes with nn.Partitioned boxes holding the logical axis names."""
   def init(rng):
-    params = model.init(rng, inputs)['params']
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    variables = model.init({'params': rng, 'dropout': rng}, *model_inputs(example_batch))
+    return TrainState.create(
+        apply_fn=model.apply, params=variables['params'], tx=tx,
+        model_state={k: variables[k] for k in STATE_COLLECTIONS if k in variables})
   return init, jax.eval_shape(init, rng)
 
 
@@ -65,16 +120,25 @@ def create_train_state(init, rng, state_shardings):
   return jax.jit(lambda r: nn.meta.unbox(init(r)), out_shardings=state_shardings)(rng)
 
 
-def jit_steps(state_shardings, batch_sharding):
-  """The jitted train step (state donated) and eval step, with explicit shardings."""
-  p_train = jax.jit(train_step, in_shardings=(state_shardings, batch_sharding),
+def jit_steps(state_shardings, batch_sharding, rng, microbatches=1):
+  """The jitted train step (state donated) and eval step, with explicit shardings.
+
+  The train step takes (state, batch); `rng` (dropout's base key) is bound into it.
+  """
+  step = functools.partial(train_step, rng=rng, microbatches=microbatches)
+  p_train = jax.jit(step, in_shardings=(state_shardings, batch_sharding),
                     out_shardings=(state_shardings, None), donate_argnums=0)
   p_eval = jax.jit(eval_step, in_shardings=(state_shardings, batch_sharding))
   return p_train, p_eval
 
 
 def evaluate(p_eval, state, dataset, config, batch_sharding, task):
-  """Loss and accuracy over the eval split (per character for an LM, plus bits per char)."""
+  """Loss and accuracy over the eval split (per token for sequences).
+
+  An LM adds bits per character. seq2seq adds exact match: the fraction of examples whose
+  every target token is the argmax under teacher forcing, which is exactly the fraction
+  that greedy decoding gets entirely right (each greedy step then sees the true prefix).
+  """
   size = config.eval.batch_size
   rows = data.process_rows(batch_sharding, size)
   sums = None
@@ -86,6 +150,8 @@ def evaluate(p_eval, state, dataset, config, batch_sharding, task):
   result = {'eval/loss': loss, 'eval/accuracy': float(sums['correct'] / sums['weight'])}
   if task == 'lm':
     result['eval/bits_per_char'] = loss / math.log(2)
+  if task == 'seq2seq':
+    result['eval/exact_match'] = float(sums['exact'] / sums['examples'])
   return result
 
 
@@ -95,11 +161,12 @@ def make_sampler(model, dataset, config, mesh):
   prompt_len = tokens.shape[1] // 4
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   gen = jax.jit(functools.partial(transformer_lm.generate, model.apply, prompt_len=prompt_len,
-                                  temperature=config.eval.sample_temperature),
+                                  window=model.max_len, temperature=config.eval.sample_temperature),
                 out_shardings=replicated)
 
   def sample(params, step):
-    out = np.asarray(gen(params, tokens, rng=jax.random.fold_in(jax.random.key(config.seed), step)))
+    rng = jax.random.fold_in(jax.random.key(config.seed), step)
+    out = np.asarray(gen({'params': params}, tokens, rng=rng))
     return dataset.decode(out[0, :prompt_len]), dataset.decode(out[0, prompt_len:])
   return sample
 
@@ -111,8 +178,8 @@ def _write_json(workdir, name, obj):
 
 def restore_target(init, state_shardings, rng):
   """(abstract unboxed state, the checkpointed part of it carrying the current shardings)."""
-  model_state = jax.eval_shape(lambda r: nn.meta.unbox(init(r)), rng)
-  return model_state, checkpoint.abstract_target(checkpoint.saved_tree(model_state),
+  abstract = jax.eval_shape(lambda r: nn.meta.unbox(init(r)), rng)
+  return abstract, checkpoint.abstract_target(checkpoint.saved_tree(abstract),
                                                  checkpoint.saved_tree(state_shardings))
 
 
@@ -123,7 +190,7 @@ def initial_state(config, workdir, init, state_shardings, rng):
   whatever mesh wrote the checkpoint. A checkpoint (or init_from) that does not fit fails
   before anything is written.
   """
-  model_state, target = restore_target(init, state_shardings, rng)
+  abstract, target = restore_target(init, state_shardings, rng)
   c = config.checkpoint
   make_manager = lambda: checkpoint.make_manager(workdir, c.keep, c.async_save, c.replica_parallel)
   manager = None
@@ -132,7 +199,7 @@ def initial_state(config, workdir, init, state_shardings, rng):
     restored, step = checkpoint.restore_latest(manager, target, c.fallback)
     if restored is not None:
       logging.info('resuming from step %d of %s', step, manager.directory)
-      return model_state.replace(**restored), manager
+      return abstract.replace(**restored), manager
   state = create_train_state(init, rng, state_shardings)
   if c.init_from:
     params, step, source = checkpoint.restore_params(c.init_from, target['params'])
@@ -164,9 +231,10 @@ def train_and_evaluate(config, workdir):
   is_main = jax.process_index() == 0
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    example = dataset.train_batch(0, batch_size, slice(0, 1))['inputs']
-    init, boxed = abstract_state(model, tx, jnp.zeros(example.shape, example.dtype), rng)
+    example = jax.tree.map(jnp.zeros_like, dataset.train_batch(0, batch_size, slice(0, 1)))
+    init, boxed = abstract_state(model, tx, example, rng)
     table = sharding.param_table(boxed.params, mesh, rules)
+    table += sharding.param_table(boxed.model_state, mesh, rules)  # BatchNorm statistics.
     cfg.validate_shardings(table, mesh, rules)
     state_shardings = sharding.logical_shardings(boxed, mesh, rules)
 
@@ -182,7 +250,8 @@ def train_and_evaluate(config, workdir):
     logging.info('mesh %s; config:\n%s', dict(mesh.shape), config)
     logging.info('parameters:\n%s', sharding.format_param_table(table))
 
-    p_train, p_eval = jit_steps(state_shardings, batch_sharding)
+    p_train, p_eval = jit_steps(state_shardings, batch_sharding, jax.random.fold_in(rng, 1),
+                                config.train.microbatches)
     sample = make_sampler(model, dataset, config, mesh) if task == 'lm' else None
     writer = metrics.MetricWriter(workdir, is_main, start_step)
     stop = checkpoint.StopRequest(manager)

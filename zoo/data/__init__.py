@@ -1,7 +1,8 @@
 """Datasets and the assembly of global batches from each process's rows.
 
-A batch is a dict of numpy arrays with a leading batch axis: `inputs`, `targets`, and
-for eval batches `weights` (0 marks padding). Batch contents are a pure function of
+A batch is a dict of numpy arrays with a leading batch axis: `inputs`, `targets`,
+`decoder_inputs` for sequence-to-sequence data, and for eval batches `weights` (0 marks
+padding). Batch contents are a pure function of
 (seed, step), so the step alone is the data position of a run: resuming needs no
 iterator state, and every process computes the same global batch order.
 """
@@ -17,26 +18,26 @@ from zoo.errors import ConfigError
 @dataclasses.dataclass(frozen=True)
 class Dataset:
   """What the trainer needs of a dataset. `rows` selects this process's slice of a batch."""
-  task: str                 # 'classification' or 'lm': the models that can consume it.
+  task: str                 # 'classification', 'lm' or 'seq2seq': the models that consume it.
   model_fields: dict        # Fields the model takes from the data, e.g. {'num_classes': 10}.
   # (step, global_batch_size, rows) -> local batch; a pure function of seed and step.
   train_batch: Callable[[int, int, slice], dict]
   # (global_batch_size, rows) -> local eval batches covering the eval split once.
   eval_batches: Callable[[int, slice], Iterator[dict]]
-  num_train: int            # Training examples (windows for text).
-  decode: Optional[Callable[[np.ndarray], str]] = None   # Token ids -> text (LM only).
+  num_train: int            # Training examples (windows for text; unbounded if generated).
+  decode: Optional[Callable[[np.ndarray], str]] = None   # Token ids -> text (sequences).
   encode: Optional[Callable[[str], np.ndarray]] = None   # Text -> token ids (LM only).
 
 
 # name -> task, so a config can be checked against its model before any data loads
 # (None: the file decides, checked once it is loaded).
-DATASETS = {'digits': 'classification', 'text': 'lm', 'npz': None}
+DATASETS = {'digits': 'classification', 'text': 'lm', 'seq': 'seq2seq', 'npz': None}
 
 
 def load(data_config, seed):
   """The dataset named by `data_config.name`."""
-  from zoo.data import digits, npz, text  # pylint: disable=import-outside-toplevel
-  loaders = {'digits': digits.load, 'text': text.load, 'npz': npz.load}
+  from zoo.data import digits, npz, seq, text  # pylint: disable=import-outside-toplevel
+  loaders = {'digits': digits.load, 'text': text.load, 'seq': seq.load, 'npz': npz.load}
   return loaders[data_config.name](data_config, seed)
 
 

@@ -1,11 +1,14 @@
 """The model registry: `config.model.name` -> (Linen module, task it solves)."""
-from zoo.models import cnn, mlp, transformer_lm
+from zoo.models import cnn, encoder_decoder, mlp, resnet, transformer_lm, vit
 
 # name -> (module class, task). A task names the data a model consumes: see zoo.data.
 MODELS = {
     'mlp': (mlp.MLP, mlp.TASK),
     'cnn': (cnn.CNN, cnn.TASK),
+    'resnet': (resnet.ResNet, resnet.TASK),
+    'vit': (vit.ViT, vit.TASK),
     'transformer_lm': (transformer_lm.TransformerLM, transformer_lm.TASK),
+    'encoder_decoder': (encoder_decoder.EncoderDecoder, encoder_decoder.TASK),
 }
 
 

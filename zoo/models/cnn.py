@@ -24,7 +24,8 @@ class CNN(nn.Module):
   num_classes: int
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, train=False):
+    del train  # No dropout or batch statistics.
     x_BHWC = x.astype(jnp.float32)
     if x_BHWC.ndim == 3:
       x_BHWC = x_BHWC[..., None]

@@ -28,7 +28,8 @@ class MLP(nn.Module):
   num_classes: int
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, train=False):
+    del train  # No dropout or batch statistics.
     x_BF = x.reshape(x.shape[0], -1).astype(jnp.float32)
     x_BF = nn.with_logical_constraint(x_BF, ('act_batch', 'act_embed'))
     axis = 'embed'

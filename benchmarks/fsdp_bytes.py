@@ -1,0 +1,62 @@
+r"""Per-device bytes of parameters and optimizer state: standard rules vs the FSDP preset.
+
+    python benchmarks/fsdp_bytes.py [--experiment=char_lm] [--devices=8]
+
+Abstract: builds the state's shapes and shardings on emulated CPU devices, allocates
+nothing, and prints a table (and JSON with --json=FILE).
+"""
+import argparse
+import json
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--experiment', default='char_lm')
+  parser.add_argument('--devices', type=int, default=8)
+  parser.add_argument('--json', default='')
+  args = parser.parse_args()
+  os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={args.devices}'
+  os.environ['JAX_PLATFORMS'] = 'cpu'
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  from zoo import data, models, optim, sharding, train  # pylint: disable=import-outside-toplevel
+  from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
+
+  config = load_experiment(os.path.join(REPO, 'experiments', f'{args.experiment}.py'))
+  dataset = data.load(config.data, config.seed)
+  model = models.build(config.model, **dataset.model_fields)
+  tx, _ = optim.make_optimizer(config.train.steps, **config.optimizer)
+  example = jax.tree.map(lambda x: x * 0, dataset.train_batch(0, 1, slice(0, 1)))
+  n = args.devices
+  rows = []
+  for shape in [(n, 1), (n // 2, 2), (1, n)]:
+    mesh = sharding.make_mesh(shape, config.mesh.axes)
+    for preset, rules in (('standard', sharding.standard_rules()), ('fsdp', sharding.fsdp_rules())):
+      with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        init, boxed = train.abstract_state(model, tx, example, jax.random.key(0))
+        shardings = sharding.logical_shardings(boxed, mesh, rules)
+        state, _ = train.restore_target(init, shardings, jax.random.key(0))
+      abstract = lambda t, s: jax.tree.map(
+          lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), t, s)
+      params = abstract(state.params, shardings.params)
+      opt = abstract(state.opt_state, shardings.opt_state)
+      total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((params, opt)))
+      rows.append({'mesh': list(shape), 'rules': preset, 'total_bytes': total,
+                   'params_bytes_per_device': sharding.per_device_bytes(params),
+                   'opt_state_bytes_per_device': sharding.per_device_bytes(opt)})
+  print(f'{args.experiment}: parameters + AdamW state, {rows[0]["total_bytes"] / 2**20:.2f} MiB in all')
+  print(f'{"mesh":>8} {"rules":>9} {"params/device":>14} {"optimizer/device":>17} {"fraction":>9}')
+  for r in rows:
+    per = r['params_bytes_per_device'] + r['opt_state_bytes_per_device']
+    print(f'{str(tuple(r["mesh"])):>8} {r["rules"]:>9} {r["params_bytes_per_device"] / 2**20:>10.3f} MiB'
+          f' {r["opt_state_bytes_per_device"] / 2**20:>13.3f} MiB {per / r["total_bytes"]:>9.3f}')
+  if args.json:
+    with open(args.json, 'w', encoding='utf-8') as f:
+      json.dump(rows, f, indent=2)
+
+
+if __name__ == '__main__':
+  main()
