@@ -1,0 +1,111 @@
+"""`python -m zoo.sample`: the same text on any mesh, greedy = top-1, seeds, every bad input."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, load_config
+from zoo import sample, train
+from zoo.errors import CheckpointError, ConfigError
+
+PROMPT = 'The '
+NUM_CHARS = 50  # Beyond the smoke model's max_len of 32: the context slides.
+
+
+def run_sample(*args, devices=8):
+  """Runs `python -m zoo.sample ARGS` on `devices` emulated CPU devices."""
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  cmd = [sys.executable, '-m', 'zoo.sample', f'--cpu_devices={devices}', *args]
+  return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
+                        check=False)
+
+
+@pytest.fixture(scope='module')
+def lm_workdir(tmp_path_factory):
+  """A smoke char_lm run of 2 steps: nearly random weights, so greedy text is varied (a
+  trained smoke model's greedy text is all spaces, which would match on any mesh)."""
+  workdir = str(tmp_path_factory.mktemp('char_lm'))
+  config = load_config('char_lm', **{'train.steps': 2, 'eval.max_batches': 1,
+                                     'checkpoint.async_save': False})
+  train.train_and_evaluate(config, workdir)
+  return workdir
+
+
+def _greedy(workdir, **kwargs):
+  return sample.generate_text(workdir, PROMPT, NUM_CHARS, temperature=0.0, **kwargs)
+
+
+def test_greedy_is_the_same_on_one_and_eight_devices(lm_workdir, devices):
+  [text] = _greedy(lm_workdir)  # Default mesh: 8 devices on 'model'.
+  assert text.startswith(PROMPT) and len(text) == len(PROMPT) + NUM_CHARS
+  assert len(set(text[len(PROMPT):])) > 5, f'greedy text too uniform to compare meshes: {text!r}'
+  # 3 devices: 8 heads do not split 3 ways, so the default falls back to one device.
+  for n in (1, 3):
+    result = run_sample(f'--workdir={lm_workdir}', f'--prompt={PROMPT}',
+                        f'--num_chars={NUM_CHARS}', '--temperature=0', devices=n)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == text + '\n'
+  assert 'sampling on one device' in result.stderr
+
+
+def test_top_1_equals_greedy(lm_workdir, devices):
+  assert (sample.generate_text(lm_workdir, PROMPT, NUM_CHARS, temperature=1.0, top_k=1)
+          == _greedy(lm_workdir))
+
+
+def test_seed_gives_the_same_samples_on_any_mesh(lm_workdir, devices):
+  def draw(seed, mesh_shape=''):
+    return sample.generate_text(lm_workdir, PROMPT, NUM_CHARS, temperature=0.8, num_samples=3,
+                                seed=seed, mesh_shape=mesh_shape)
+  texts = draw(seed=3)
+  assert len(set(texts)) == 3 and all(t.startswith(PROMPT) for t in texts)
+  assert draw(seed=3) == texts
+  assert draw(seed=3, mesh_shape='8,1') == texts  # 3 samples on 8 'batch' devices: replicated.
+  assert draw(seed=4) != texts
+
+
+def test_empty_prompt_starts_from_a_newline(lm_workdir, devices):
+  [text] = sample.generate_text(lm_workdir, '', 10, temperature=0.0)
+  assert len(text) == 10  # The newline it starts from is not returned.
+
+
+@pytest.mark.parametrize('kwargs, message', [
+    ({'prompt': 'caf\u00e9 \u00e9\u2603'}, "--prompt: characters not in the model's vocabulary of "),
+    ({'mesh_shape': '3,3'}, '--mesh_shape: '),
+    ({'mesh_shape': 'a,b'}, '--mesh_shape: '),
+    ({'top_k': 10_000}, '--top_k: must be in [0, '),
+    ({'temperature': -1.0}, '--temperature: '),
+    ({'num_chars': 0}, '--num_chars: must be positive'),
+])
+def test_bad_arguments_are_rejected(lm_workdir, devices, kwargs, message):
+  with pytest.raises(ConfigError, match='^' + message.replace('[', r'\[')) as e:
+    sample.generate_text(lm_workdir, **kwargs)
+  if 'prompt' in kwargs:
+    assert str(e.value).endswith("'\u00e9', '\u2603'; leave them out")
+
+
+def test_run_without_checkpoint_is_rejected(tmp_path, lm_workdir):
+  os.symlink(os.path.join(lm_workdir, 'config.json'), tmp_path / 'config.json')
+  with pytest.raises(CheckpointError, match='has no complete checkpoint yet'):
+    sample.generate_text(str(tmp_path))
+  assert sorted(os.listdir(tmp_path)) == ['config.json']  # Nothing written.
+
+
+def _assert_one_line_error(result, message):
+  assert result.returncode != 0 and not result.stdout
+  assert 'Traceback' not in result.stderr
+  assert result.stderr.strip().splitlines()[-1].startswith('zoo: error: ' + message), result.stderr
+
+
+def test_cli_rejects_a_missing_workdir(tmp_path):
+  missing = tmp_path / 'nope'
+  _assert_one_line_error(run_sample(f'--workdir={missing}'), f'--workdir: {missing} is not a directory')
+  assert not missing.exists()
+
+
+def test_cli_rejects_a_run_that_is_not_a_language_model(tmp_path):
+  (tmp_path / 'config.json').write_text(load_config('mlp_digits').to_json_best_effort())
+  _assert_one_line_error(run_sample(f'--workdir={tmp_path}'),
+                         "--workdir: " + str(tmp_path) + " trained model 'mlp', not a language model")
+  assert sorted(os.listdir(tmp_path)) == ['config.json']
