@@ -54,6 +54,7 @@ BAD_INPUTS = {
     'zero num_eval': ({'data.num_eval': 0}, r'config\.data\.num_eval: must be positive, got 0', 'seq_sort'),
     'resnet features per stage': ({'model.features': (8,)}, r'config\.model\.features: \(8,\) must give one channel count per stage', 'resnet_digits'),
     'vit patch does not divide': ({'model.patch_size': 3}, r'config\.model\.patch_size: 3 does not divide the 8x8 images', 'vit_digits'),
+    'profile steps reversed': ({'profile.steps': (4, 2)}, r'config\.profile\.steps: \(4, 2\) must be \(\) or \(a, b\)'),
     'unknown vit pool': ({'model.pool': 'max'}, r"config\.model\.pool: unknown pool 'max'; known: cls, mean", 'vit_digits'),
     'init_from missing': ({'checkpoint.init_from': '/nonexistent/run'},
                           r'config\.checkpoint\.init_from: /nonexistent/run is not a directory'),

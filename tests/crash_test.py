@@ -2,6 +2,7 @@
 import glob
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -17,14 +18,14 @@ FLAGS = {'train.steps': STEPS, 'train.log_every_steps': 1, 'eval.every_steps': S
          'checkpoint.every_steps': 2, 'mesh.shape': (4, 2)}  # A save every other step.
 
 
-def _args(workdir):
+def _args(workdir, **overrides):
   return [f'--config={experiment("mlp_digits")}:smoke', f'--workdir={workdir}',
-          *(f'--config.{k}={v}'.replace(' ', '') for k, v in FLAGS.items())]
+          *(f'--config.{k}={v}'.replace(' ', '') for k, v in {**FLAGS, **overrides}.items())]
 
 
-def _start(workdir, log):
+def _start(workdir, log, *extra):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  return subprocess.Popen([sys.executable, '-m', 'zoo.main', '--cpu_devices=8', *_args(workdir)],
+  return subprocess.Popen([sys.executable, '-m', 'zoo.main', '--cpu_devices=8', *extra],
                           cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
@@ -60,7 +61,7 @@ def reference(tmp_path_factory):
 def test_sigkill_at_a_random_moment_then_resume(trial, reference, tmp_path):
   workdir = str(tmp_path / 'run')
   with open(tmp_path / 'killed.log', 'w', encoding='utf-8') as log:
-    proc = _start(workdir, log)
+    proc = _start(workdir, log, *_args(workdir))
     # A random step, then a random instant within it: with a save every other step, kills
     # land in and between saves (the trials so far left N.orbax-checkpoint-tmp behind).
     rng = random.Random(trial)
@@ -85,7 +86,7 @@ def test_sigkill_at_a_random_moment_then_resume(trial, reference, tmp_path):
 def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):
   workdir = str(tmp_path / 'run')
   with open(tmp_path / 'stderr.log', 'w+', encoding='utf-8') as log:
-    proc = _start(workdir, log)
+    proc = _start(workdir, log, *_args(workdir))
     _wait_for_step(workdir, proc, 3)
     sent = time.time()
     proc.send_signal(signal.SIGTERM)
@@ -99,3 +100,25 @@ def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):
   saved = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')) if s.isdigit())
   assert last_logged < STEPS and saved[-1] == last_logged
   assert f'stop requested (SIGTERM or preemption) at step {last_logged}' in stderr
+
+
+def test_restart_with_a_warm_compilation_cache_compiles_nothing(tmp_path):
+  """Stopped by SIGTERM after it has trained and evaluated, then restarted: every program
+  (init, train and eval steps, the rest) comes from --compilation_cache_dir."""
+  workdir, cache = str(tmp_path / 'run'), f'--compilation_cache_dir={tmp_path / "cache"}'
+  args = _args(workdir, **{'eval.every_steps': 2})
+  with open(tmp_path / 'first.log', 'w+', encoding='utf-8') as log:
+    proc = _start(workdir, log, *args, cache)
+    _wait_for_step(workdir, proc, 5)  # Rows of steps 1, 2 and the eval at 2 (+ margin).
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    log.seek(0)
+    first = log.read()
+  assert re.search(r'XLA compilation cache: 0 programs loaded from the cache, [1-9]\d* compiled',
+                   first), first[-2000:]
+  result = run_cli(*args, cache)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'resuming from step' in result.stderr
+  loaded = re.search(r'XLA compilation cache: (\d+) programs loaded from the cache, 0 compiled',
+                     result.stderr)
+  assert loaded and int(loaded.group(1)) > 0, result.stderr[-2000:]

@@ -48,6 +48,8 @@ def base_config():
   c.eval.batch_size = 128                 # Global; the last batch is padded and masked.
   c.eval.max_batches = 0                  # 0: the whole eval split.
   c.eval.sample_temperature = 0.8         # LM only: the sample printed at each eval; 0 is greedy.
+  c.profile = ml_collections.ConfigDict()
+  c.profile.steps = ()                    # (a, b): trace steps [a, b) into workdir/profile.
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 1000         # Also saved after the last step and on SIGTERM.
   c.checkpoint.keep = 3                   # Newest complete checkpoints kept in workdir/checkpoints.
@@ -172,6 +174,10 @@ def _validate_sizes(config):
       _fail('data.digits', f'must be in 1..18 (int64 sums), got {config.data.get("digits")}')
     if config.data.get('num_eval', 0) <= 0:
       _fail('data.num_eval', f'must be positive, got {config.data.get("num_eval")}')
+  steps = tuple(config.profile.steps)
+  if steps and not (len(steps) == 2 and 0 <= steps[0] < steps[1] <= config.train.steps):
+    _fail('profile.steps', f'{steps} must be () or (a, b) with 0 <= a < b <= train.steps='
+          f'{config.train.steps}')
   if config.seed < 0:
     _fail('seed', f'must be >= 0, got {config.seed}')
   if config.eval.max_batches < 0:

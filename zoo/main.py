@@ -8,7 +8,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from zoo import distributed, train
+from zoo import compilation, distributed, train
 from zoo.errors import ZooError
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment file, e.g. experiments/char_lm.py:smoke.')
@@ -19,6 +19,9 @@ _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of pr
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, in [0, num_processes).')
 _INIT_TIMEOUT = flags.DEFINE_integer('initialization_timeout', 300, 'Seconds to wait for every process to join.')
+_CACHE_DIR = flags.DEFINE_string(
+    'compilation_cache_dir', None, 'Persistent XLA compilation cache: a restarted run loads its '
+    'compiled steps from here instead of compiling them (e.g. a directory every host mounts).')
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     'heartbeat_timeout', 60, 'Seconds of silence after which a process counts as dead and the others exit.')
 flags.mark_flags_as_required(['config', 'workdir'])
@@ -28,12 +31,16 @@ def main(argv):
   if len(argv) > 1:
     sys.exit(f'zoo: error: unexpected arguments {argv[1:]}')
   try:
+    if _CACHE_DIR.value:
+      compilation.enable_cache(_CACHE_DIR.value)
     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                            _CPU_DEVICES.value, _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value)
     logging.info('JAX %s, process %d of %d, %d local / %d global devices: %s', jax.__version__,
                  jax.process_index(), jax.process_count(), jax.local_device_count(),
                  jax.device_count(), jax.devices())
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    if compilation.summary():
+      logging.info('XLA compilation cache: %s', compilation.summary())
   except ZooError as e:
     _exit(f'zoo: error: {e}')
   except Exception:  # pylint: disable=broad-except

@@ -208,6 +208,34 @@ def initial_state(config, workdir, init, state_shardings, rng):
   return state, manager or make_manager()
 
 
+class Profile:
+  """Traces steps [a, b) with jax.profiler into workdir/profile (TensorBoard's profile tab
+  or Perfetto read it); with several processes each writes workdir/profile/process_<i>
+  (trace files are named by host, which processes on one host share). () traces nothing."""
+
+  def __init__(self, steps, workdir):
+    self.steps, self.active = tuple(steps), False
+    self.directory = os.path.join(workdir, 'profile')
+    if jax.process_count() > 1:
+      self.directory = os.path.join(self.directory, f'process_{jax.process_index()}')
+
+  def before(self, step):
+    if self.steps and step == self.steps[0]:
+      jax.profiler.start_trace(self.directory)
+      self.active = True
+
+  def after(self, done, state):
+    if self.active and done == self.steps[1]:
+      jax.block_until_ready(state)  # The trace ends after the last traced step ran.
+      self.close()
+      logging.info('profile of steps [%d, %d) written to %s', *self.steps, self.directory)
+
+  def close(self):
+    if self.active:
+      jax.profiler.stop_trace()
+      self.active = False
+
+
 def train_and_evaluate(config, workdir):
   """Trains `config`'s model in `workdir`, resuming from its checkpoints if there are any.
 
@@ -283,10 +311,12 @@ def train_and_evaluate(config, workdir):
       metrics.log_progress(step, total_steps, scalars, step_time * (total_steps - step))
       timer.update(time=time.perf_counter(), step=step)
 
-    pending = None
+    pending, profile = None, Profile(config.profile.steps, workdir)
     try:
       for step in range(start_step, total_steps):
+        profile.before(step)
         state, step_metrics = p_train(state, get_batch(step))
+        profile.after(step + 1, state)
         if pending:
           report(*pending)
         pending, done = (step + 1, step_metrics), step + 1
@@ -312,6 +342,7 @@ def train_and_evaluate(config, workdir):
             writer.text(done, 'eval/sample', prompt + ' -> ' + text)
           timer.update(time=time.perf_counter(), step=done)
     finally:
+      profile.close()
       stop.close()
       manager.wait_until_finished()
       manager.close()
