@@ -22,27 +22,22 @@ def main():
   os.environ['JAX_PLATFORMS'] = 'cpu'
   import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
-  from zoo import data, models, optim, sharding, train  # pylint: disable=import-outside-toplevel
+  from zoo import data, sharding, train  # pylint: disable=import-outside-toplevel
   from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
 
   config = load_experiment(os.path.join(REPO, 'experiments', f'{args.experiment}.py'))
   dataset = data.load(config.data, config.seed)
-  model = models.build(config.model, **dataset.model_fields)
-  tx, _ = optim.make_optimizer(config.train.steps, **config.optimizer)
-  example = jax.tree.map(lambda x: x * 0, dataset.train_batch(0, 1, slice(0, 1)))
   n = args.devices
   rows = []
   for shape in [(n, 1), (n // 2, 2), (1, n)]:
     mesh = sharding.make_mesh(shape, config.mesh.axes)
     for preset, rules in (('standard', sharding.standard_rules()), ('fsdp', sharding.fsdp_rules())):
-      with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        init, boxed = train.abstract_state(model, tx, example, jax.random.key(0))
-        shardings = sharding.logical_shardings(boxed, mesh, rules)
-        state, _ = train.restore_target(init, shardings, jax.random.key(0))
-      abstract = lambda t, s: jax.tree.map(
-          lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), t, s)
-      params = abstract(state.params, shardings.params)
-      opt = abstract(state.opt_state, shardings.opt_state)
+      config.logical_axis_rules = rules
+      run = train.setup(config, dataset, mesh)
+      with jax.set_mesh(mesh), nn.logical_axis_rules(run.rules):
+        # Shapes carrying the shardings: what a restore would read into.
+        _, target = train.restore_target(run.init, run.state_shardings, run.rng)
+      params, opt = target['params'], target['opt_state']
       total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((params, opt)))
       rows.append({'mesh': list(shape), 'rules': preset, 'total_bytes': total,
                    'params_bytes_per_device': sharding.per_device_bytes(params),

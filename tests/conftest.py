@@ -76,29 +76,21 @@ class Trainer:
   """An experiment's model, state and jitted steps on its mesh, in process, for numerics tests."""
 
   def __init__(self, config):
-    from zoo import config as cfg, data, models, optim, sharding, train  # pylint: disable=import-outside-toplevel
+    from zoo import config as cfg, data, train  # pylint: disable=import-outside-toplevel
     import flax.linen as nn  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     cfg.validate(config, jax.device_count())  # No test runs a config that a user could not.
     self.config, self.jax, self.nn, self.train, self.data = config, jax, nn, train, data
     self.dataset = data.load(config.data, config.seed)
-    self.mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
-    self.rules = [tuple(r) for r in config.logical_axis_rules]
-    self.model = models.build(config.model, **self.dataset.model_fields)
-    tx, _ = optim.make_optimizer(config.train.steps, **config.optimizer)
-    self.batch_sharding = jax.sharding.NamedSharding(
-        self.mesh, jax.sharding.PartitionSpec(cfg.batch_mesh_axes(config) or None))
-    example = jax.tree.map(lambda x: x * 0, self.dataset.train_batch(0, config.train.batch_size,
-                                                                    slice(0, 1)))
-    self.example = example
+    run = train.setup(config, self.dataset)  # What train.train_and_evaluate builds.
+    self.mesh, self.rules, self.model = run.mesh, run.rules, run.model
+    self.batch_sharding, self.init, self.boxed = run.batch_sharding, run.init, run.boxed
+    self.shardings = run.state_shardings
     with self.scope():
-      rng = jax.random.key(config.seed)  # As train.train_and_evaluate does.
-      self.init, self.boxed = train.abstract_state(self.model, tx, example, rng)
-      self.shardings = sharding.logical_shardings(self.boxed, self.mesh, self.rules)
-      self.initial = train.create_train_state(self.init, rng, self.shardings)
+      self.initial = train.create_train_state(self.init, run.rng, self.shardings)
       self.state = self.initial
       self.p_train, self.p_eval = train.jit_steps(
-          self.shardings, self.batch_sharding, jax.random.fold_in(rng, 1), config.train.microbatches)
+          self.shardings, self.batch_sharding, run.dropout_rng, config.train.microbatches)
 
   def scope(self):
     import contextlib  # pylint: disable=import-outside-toplevel

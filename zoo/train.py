@@ -1,4 +1,5 @@
 """Sharded training and evaluation: validate -> mesh -> data -> state -> loop."""
+import dataclasses
 import functools
 import itertools
 import json
@@ -113,6 +114,42 @@ def abstract_state(model, tx, example_batch, rng):
         apply_fn=model.apply, params=variables['params'], tx=tx,
         model_state={k: variables[k] for k in STATE_COLLECTIONS if k in variables})
   return init, jax.eval_shape(init, rng)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What a run builds before any array exists: placement, model, optimizer, state shapes."""
+  mesh: jax.sharding.Mesh
+  rules: list
+  model: nn.Module
+  tx: optax.GradientTransformation
+  lr_schedule: Any
+  batch_sharding: jax.sharding.NamedSharding
+  init: Any              # rng -> boxed TrainState (see abstract_state).
+  boxed: Any             # Its shapes, with logical axis names.
+  state_shardings: Any
+  rng: jax.Array         # The run's key: initialisation; dropout_rng derives from it.
+
+  @property
+  def dropout_rng(self):
+    return jax.random.fold_in(self.rng, 1)
+
+
+def setup(config, dataset, mesh=None):
+  """The Setup of `config` on its mesh (or on `mesh`): for the trainer, tools and tests."""
+  if mesh is None:
+    mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, dcn_shape=config.mesh.dcn_shape)
+  rules = [tuple(r) for r in config.logical_axis_rules]
+  model = models.build(config.model, **dataset.model_fields)
+  tx, lr_schedule = optim.make_optimizer(config.train.steps, **config.optimizer)
+  batch_sharding = jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(cfg.batch_mesh_axes(config) or None))
+  rng = jax.random.key(config.seed)
+  example = jax.tree.map(jnp.zeros_like, dataset.train_batch(0, config.train.batch_size, slice(0, 1)))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    init, boxed = abstract_state(model, tx, example, rng)
+  return Setup(mesh, rules, model, tx, lr_schedule, batch_sharding, init, boxed,
+               sharding.logical_shardings(boxed, mesh, rules), rng)
 
 
 def create_train_state(init, rng, state_shardings):
@@ -247,26 +284,18 @@ def train_and_evaluate(config, workdir):
   cfg.validate_with_data(config, dataset)
   task = dataset.task
 
-  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, dcn_shape=config.mesh.dcn_shape)
-  rules = [tuple(r) for r in config.logical_axis_rules]
-  model = models.build(config.model, **dataset.model_fields)
-  tx, lr_schedule = optim.make_optimizer(config.train.steps, **config.optimizer)
-  batch_sharding = jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec(cfg.batch_mesh_axes(config) or None))
+  run = setup(config, dataset)
+  mesh, rules, model, batch_sharding = run.mesh, run.rules, run.model, run.batch_sharding
   batch_size, total_steps = config.train.batch_size, config.train.steps
   rows = data.process_rows(batch_sharding, batch_size)
-  rng = jax.random.key(config.seed)
   is_main = jax.process_index() == 0
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    example = jax.tree.map(jnp.zeros_like, dataset.train_batch(0, batch_size, slice(0, 1)))
-    init, boxed = abstract_state(model, tx, example, rng)
-    table = sharding.param_table(boxed.params, mesh, rules)
-    table += sharding.param_table(boxed.model_state, mesh, rules)  # BatchNorm statistics.
+    table = sharding.param_table(run.boxed.params, mesh, rules)
+    table += sharding.param_table(run.boxed.model_state, mesh, rules)  # BatchNorm statistics.
     cfg.validate_shardings(table, mesh, rules)
-    state_shardings = sharding.logical_shardings(boxed, mesh, rules)
 
-    state, manager = initial_state(config, workdir, init, state_shardings, rng)
+    state, manager = initial_state(config, workdir, run.init, run.state_shardings, run.rng)
     # From here on the workdir is written.
     start_step = int(state.step)
     if is_main:
@@ -278,7 +307,7 @@ def train_and_evaluate(config, workdir):
     logging.info('mesh %s; config:\n%s', dict(mesh.shape), config)
     logging.info('parameters:\n%s', sharding.format_param_table(table))
 
-    p_train, p_eval = jit_steps(state_shardings, batch_sharding, jax.random.fold_in(rng, 1),
+    p_train, p_eval = jit_steps(run.state_shardings, batch_sharding, run.dropout_rng,
                                 config.train.microbatches)
     sample = make_sampler(model, dataset, config, mesh) if task == 'lm' else None
     writer = metrics.MetricWriter(workdir, is_main, start_step)
@@ -305,8 +334,8 @@ def train_and_evaluate(config, workdir):
         return
       now = time.perf_counter()
       step_time = (now - timer['time']) / max(step - timer['step'], 1)
-      scalars.update({'train/learning_rate': lr_schedule(step - 1), 'perf/step_time_s': step_time,
-                      'perf/examples_per_s': batch_size / step_time})
+      scalars.update({'train/learning_rate': run.lr_schedule(step - 1),
+                      'perf/step_time_s': step_time, 'perf/examples_per_s': batch_size / step_time})
       writer.write(step, scalars)
       metrics.log_progress(step, total_steps, scalars, step_time * (total_steps - step))
       timer.update(time=time.perf_counter(), step=step)
