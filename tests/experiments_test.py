@@ -35,9 +35,11 @@ def test_smoke_trains_and_writes_outputs(name, tmp_path, devices):
   metric, reached = EXPERIMENTS[name]
   assert last['step'] == config.train.steps and reached(last[metric]), last
   train_row = [r for r in rows if 'train/loss' in r][-1]
-  for key in ('perf/step_time_s', 'perf/examples_per_s', 'train/grad_norm', 'train/param_norm',
-              'train/update_norm', 'train/learning_rate'):
+  for key in ('perf/step_time_s', 'perf/examples_per_s', 'perf/flops_per_step', 'perf/mfu',
+              'train/grad_norm', 'train/param_norm', 'train/update_norm', 'train/learning_rate'):
     assert key in train_row
+  assert train_row['perf/mfu'] > 0 and train_row['perf/flops_per_step'] > 0
+  assert ('perf/tokens_per_s' in train_row) == (name in ('char_lm', 'seq_sort'))
   assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
   with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
     assert json.load(f)['train']['steps'] == config.train.steps
@@ -45,6 +47,7 @@ def test_smoke_trains_and_writes_outputs(name, tmp_path, devices):
     info = json.load(f)
   assert info['mesh'] == {'batch': 4, 'model': 2}
   assert {'path', 'shape', 'dtype', 'logical_axes', 'partition_spec'} <= set(info['params'][0])
+  assert info['step_cost']['model_flops'] == train_row['perf/flops_per_step']
 
 
 @pytest.mark.parametrize('name', sorted(EXPERIMENTS))

@@ -23,6 +23,7 @@ def base_config():
   c.data = ml_collections.ConfigDict()    # name + the loader's options.
   c.data.name = 'digits'
   c.data.path = ''                        # text: a UTF-8 file (empty: bundled); npz: required.
+  c.data.prefetch = 2                     # Train batches built and put on devices ahead (0: none).
   c.mesh = ml_collections.ConfigDict()
   c.mesh.axes = sharding.MESH_AXES
   c.mesh.shape = (-1, 1)                  # One entry may be -1: filled from the device count.
@@ -50,6 +51,8 @@ def base_config():
   c.eval.sample_temperature = 0.8         # LM only: the sample printed at each eval; 0 is greedy.
   c.profile = ml_collections.ConfigDict()
   c.profile.steps = ()                    # (a, b): trace steps [a, b) into workdir/profile.
+  c.perf = ml_collections.ConfigDict()
+  c.perf.peak_flops_per_device = 0.0      # For MFU; 0: the device's data sheet (CPU: measured).
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 1000         # Also saved after the last step and on SIGTERM.
   c.checkpoint.keep = 3                   # Newest complete checkpoints kept in workdir/checkpoints.
@@ -180,6 +183,11 @@ def _validate_sizes(config):
           f'{config.train.steps}')
   if config.seed < 0:
     _fail('seed', f'must be >= 0, got {config.seed}')
+  if config.data.prefetch < 0:
+    _fail('data.prefetch', f'must be >= 0 (0: no prefetching), got {config.data.prefetch}')
+  if config.perf.peak_flops_per_device < 0:
+    _fail('perf.peak_flops_per_device', f'must be >= 0 (0: look it up or measure it), got '
+          f'{config.perf.peak_flops_per_device}')
   if config.eval.max_batches < 0:
     _fail('eval.max_batches', f'must be >= 0 (0: the whole eval split), got {config.eval.max_batches}')
 

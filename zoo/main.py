@@ -1,4 +1,7 @@
-"""Trains an experiment: `python -m zoo.main --config=experiments/x.py[:arg] --workdir=DIR`."""
+"""Trains an experiment: `python -m zoo.main --config=experiments/x.py[:arg] --workdir=DIR`.
+
+`--dry_run` prints the run's plan (zoo.plan) instead: nothing runs, nothing is written.
+"""
 import os
 import sys
 
@@ -8,11 +11,16 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from zoo import compilation, distributed, train
+from zoo import compilation, distributed, plan, train
 from zoo.errors import ZooError
 
 _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment file, e.g. experiments/char_lm.py:smoke.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs.')
+_DRY_RUN = flags.DEFINE_bool(
+    'dry_run', False, 'Compile the train step for the mesh and print its plan: sharding, bytes '
+    'and FLOPs per device, collectives. Runs nothing, writes nothing; --workdir not needed.')
+_DEVICE_MEMORY = flags.DEFINE_float(
+    'device_memory_gib', 0.0, 'With --dry_run: memory per device; exit 1 if the step needs more.')
 _CPU_DEVICES = flags.DEFINE_integer(
     'cpu_devices', None, 'Run on this many emulated CPU devices (try a mesh without accelerators).')
 _COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for a multi-process job.')
@@ -24,7 +32,7 @@ _CACHE_DIR = flags.DEFINE_string(
     'compiled steps from here instead of compiling them (e.g. a directory every host mounts).')
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     'heartbeat_timeout', 60, 'Seconds of silence after which a process counts as dead and the others exit.')
-flags.mark_flags_as_required(['config', 'workdir'])
+flags.mark_flags_as_required(['config'])
 
 
 def main(argv):
@@ -38,6 +46,11 @@ def main(argv):
     logging.info('JAX %s, process %d of %d, %d local / %d global devices: %s', jax.__version__,
                  jax.process_index(), jax.process_count(), jax.local_device_count(),
                  jax.device_count(), jax.devices())
+    if _DRY_RUN.value:
+      _dry_run(_CONFIG.value, _DEVICE_MEMORY.value)
+      return
+    if not _WORKDIR.value:
+      raise ZooError('--workdir is required (or --dry_run, which writes nothing)')
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
     if compilation.summary():
       logging.info('XLA compilation cache: %s', compilation.summary())
@@ -46,6 +59,18 @@ def main(argv):
   except Exception:  # pylint: disable=broad-except
     logging.exception('zoo: unexpected error')
     _exit('zoo: error: unexpected error, traceback above')
+
+
+def _dry_run(config, device_memory_gib):
+  if device_memory_gib < 0:
+    raise ZooError(f'--device_memory_gib: must be >= 0 (0: no check), got {device_memory_gib}')
+  p = plan.make_plan(config, device_memory_gib)
+  if jax.process_index() == 0:
+    print(plan.format_plan(p), flush=True)
+  if p['fits'] is False:
+    _exit(f'zoo: the train step needs {p["compiled_memory"]["peak"] / 2**30:.2f} GiB per device, '
+          f'more than --device_memory_gib={device_memory_gib:g}; shard more (mesh, rules: '
+          'fsdp_rules), or lower train.batch_size, or raise train.microbatches or model.remat')
 
 
 def _exit(message):

@@ -62,7 +62,12 @@ def format_duration(seconds):
 
 
 def log_progress(step, total_steps, scalars, seconds_left):
-  """The console line: step, loss, throughput, ETA."""
-  logging.info('step %d/%d  loss %.4f  %.4f s/step  %.1f examples/s  ETA %s',
+  """The console line: step, loss, throughput, MFU, ETA."""
+  extra = ''
+  if 'perf/tokens_per_s' in scalars:
+    extra += f'  {scalars["perf/tokens_per_s"]:.0f} tokens/s'
+  if 'perf/mfu' in scalars:
+    extra += f'  MFU {100 * scalars["perf/mfu"]:.1f}%'
+  logging.info('step %d/%d  loss %.4f  %.4f s/step  %.1f examples/s%s  ETA %s',
                step, total_steps, scalars['train/loss'], scalars['perf/step_time_s'],
-               scalars['perf/examples_per_s'], format_duration(seconds_left))
+               scalars['perf/examples_per_s'], extra, format_duration(seconds_left))

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from zoo import config as cfg
-from zoo import checkpoint, data, metrics, models, optim, sharding
+from zoo import checkpoint, data, metrics, models, optim, perf, sharding
 from zoo.errors import NonFiniteError
 from zoo.models import transformer_lm
 
@@ -129,6 +129,7 @@ class Setup:
   boxed: Any             # Its shapes, with logical axis names.
   state_shardings: Any
   rng: jax.Array         # The run's key: initialisation; dropout_rng derives from it.
+  batch: Any             # A global train batch's shapes and sharding (ShapeDtypeStructs).
 
   @property
   def dropout_rng(self):
@@ -145,11 +146,41 @@ def setup(config, dataset, mesh=None):
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(cfg.batch_mesh_axes(config) or None))
   rng = jax.random.key(config.seed)
-  example = jax.tree.map(jnp.zeros_like, dataset.train_batch(0, config.train.batch_size, slice(0, 1)))
+  example = dataset.train_batch(0, config.train.batch_size, slice(0, 1))
+  batch = {k: jax.ShapeDtypeStruct((config.train.batch_size,) + v.shape[1:], v.dtype,
+                                   sharding=batch_sharding) for k, v in example.items()}
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    init, boxed = abstract_state(model, tx, example, rng)
+    init, boxed = abstract_state(model, tx, jax.tree.map(jnp.zeros_like, example), rng)
   return Setup(mesh, rules, model, tx, lr_schedule, batch_sharding, init, boxed,
-               sharding.logical_shardings(boxed, mesh, rules), rng)
+               sharding.logical_shardings(boxed, mesh, rules), rng, batch)
+
+
+def step_cost(config, run, compiled, task):
+  """FLOPs of one train step by zoo.perf's conventions and the tokens it trains on
+  (sequence tasks), from the traced step and the `compiled` one."""
+  abstract = jax.eval_shape(lambda r: nn.meta.unbox(run.init(r)), run.rng)
+  with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
+    forward = perf.forward_flops(_loss, abstract.params, abstract, run.batch, run.dropout_rng)
+  cost = {'model_flops': 3 * forward, 'xla_flops_per_device': perf.xla_flops(compiled),
+          'devices': run.mesh.size}
+  if task in ('lm', 'seq2seq'):
+    cost['tokens'] = math.prod(run.batch['targets'].shape)
+  if config.model.name == 'transformer_lm':
+    cost['lm_analytic_flops'] = perf.lm_train_flops(run.model, *run.batch['inputs'].shape)
+  return cost
+
+
+def format_cost(cost):
+  """The log line of a step_cost (with the peak, if it has one)."""
+  f = perf.format_flops
+  analytic = f', LM analytic {f(cost["lm_analytic_flops"])}' if 'lm_analytic_flops' in cost else ''
+  line = (f'FLOPs per train step: {f(cost["model_flops"])} model (3 x forward matmuls{analytic}); '
+          f'XLA cost analysis {f(cost["xla_flops_per_device"])} per device x {cost["devices"]} '
+          '(loop bodies counted once)')
+  if 'peak_source' in cost:
+    line += '; peak ' + (f'{f(cost["peak_flops_per_device"])}/s per device ({cost["peak_source"]})'
+                         if cost['peak_flops_per_device'] else cost['peak_source'])
+  return line
 
 
 def create_train_state(init, rng, state_shardings):
@@ -300,10 +331,6 @@ def train_and_evaluate(config, workdir):
     start_step = int(state.step)
     if is_main:
       _write_json(workdir, 'config.json', config.to_json_best_effort(indent=2))
-      _write_json(workdir, 'model_info.json', {
-          'mesh': dict(mesh.shape),
-          'mesh_processes': np.vectorize(lambda d: d.process_index)(mesh.devices).tolist(),
-          'params': table})
     logging.info('mesh %s; config:\n%s', dict(mesh.shape), config)
     logging.info('parameters:\n%s', sharding.format_param_table(table))
 
@@ -313,48 +340,73 @@ def train_and_evaluate(config, workdir):
     writer = metrics.MetricWriter(workdir, is_main, start_step)
     stop = checkpoint.StopRequest(manager)
 
-    def get_batch(step):
+    t0 = time.perf_counter()
+    p_train = p_train.lower(state, run.batch).compile()
+    logging.info('compiled the train step in %.1f s', time.perf_counter() - t0)
+    cost = step_cost(config, run, p_train, task)
+    cost['peak_flops_per_device'], cost['peak_source'] = perf.peak_flops(
+        config.perf.peak_flops_per_device)
+    logging.info('%s', format_cost(cost))
+    if is_main:
+      _write_json(workdir, 'model_info.json', {
+          'mesh': dict(mesh.shape),
+          'mesh_processes': np.vectorize(lambda d: d.process_index)(mesh.devices).tolist(),
+          'step_cost': cost, 'params': table})
+
+    def make_batch(step):
       return data.to_global(dataset.train_batch(step, batch_size, rows), batch_sharding, batch_size)
 
-    t0 = time.perf_counter()
-    p_train = p_train.lower(state, get_batch(start_step)).compile()
-    logging.info('compiled the train step in %.1f s', time.perf_counter() - t0)
+    def log_due(step):
+      return step % config.train.log_every_steps == 0 or step == total_steps
 
     timer = {'time': time.perf_counter(), 'step': start_step}
 
     def report(step, device_metrics):
-      """Runs a step late, so fetching metrics never stalls dispatch."""
+      """Fetches a step's metrics (the loop's only wait on the devices between logs, evals
+      and saves), checks they are finite and, at a log step, writes them."""
       scalars = jax.device_get(device_metrics)
       for name in ('train/loss', 'train/param_norm'):
         if not np.isfinite(scalars[name]):
           raise NonFiniteError(
               f'non-finite {name} {scalars[name]} at step {step}; nothing was checkpointed after '
               'it. Lower optimizer.learning_rate or enable optimizer.grad_clip_norm')
-      if step % config.train.log_every_steps and step != total_steps:
+      if not log_due(step):
         return
       now = time.perf_counter()
       step_time = (now - timer['time']) / max(step - timer['step'], 1)
       scalars.update({'train/learning_rate': run.lr_schedule(step - 1),
-                      'perf/step_time_s': step_time, 'perf/examples_per_s': batch_size / step_time})
+                      'perf/step_time_s': step_time, 'perf/examples_per_s': batch_size / step_time,
+                      'perf/flops_per_step': cost['model_flops']})
+      if 'tokens' in cost:
+        scalars['perf/tokens_per_s'] = cost['tokens'] / step_time
+      if cost['peak_flops_per_device']:
+        scalars['perf/mfu'] = perf.mfu(cost['model_flops'], step_time, cost['devices'],
+                                       cost['peak_flops_per_device'])
       writer.write(step, scalars)
       metrics.log_progress(step, total_steps, scalars, step_time * (total_steps - step))
       timer.update(time=time.perf_counter(), step=step)
 
+    # Between logs, evals and saves the loop never waits on the devices: it dispatches
+    # steps while the prefetch thread puts the next batches on the devices, and it
+    # fetches a log step's metrics after dispatching the following step.
+    batches = data.Prefetch(make_batch, start_step, total_steps, config.data.prefetch)
     pending, profile = None, Profile(config.profile.steps, workdir)
     try:
       for step in range(start_step, total_steps):
         profile.before(step)
-        state, step_metrics = p_train(state, get_batch(step))
+        state, step_metrics = p_train(state, batches.get(step))
         profile.after(step + 1, state)
         if pending:
           report(*pending)
-        pending, done = (step + 1, step_metrics), step + 1
+          pending = None
+        done = step + 1
         preempted = stop(done) and done < total_steps  # The last step saves and evals anyway.
         eval_due = done % config.eval.every_steps == 0 or done == total_steps
         save_due = done % config.checkpoint.every_steps == 0 or done == total_steps or preempted
         if eval_due or save_due:
-          report(*pending)  # Raises on a non-finite state, so it is never saved.
-          pending = None
+          report(done, step_metrics)  # Raises on a non-finite state, so it is never saved.
+        elif log_due(done):
+          pending = (done, step_metrics)
         if save_due:
           manager.save(done, args=checkpoint.save_args(checkpoint.saved_tree(state)), force=True)
         if preempted:
@@ -371,6 +423,7 @@ def train_and_evaluate(config, workdir):
             writer.text(done, 'eval/sample', prompt + ' -> ' + text)
           timer.update(time=time.perf_counter(), step=done)
     finally:
+      batches.close()
       profile.close()
       stop.close()
       manager.wait_until_finished()

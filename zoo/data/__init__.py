@@ -7,6 +7,8 @@ padding). Batch contents are a pure function of
 iterator state, and every process computes the same global batch order.
 """
 import dataclasses
+import queue
+import threading
 from typing import Callable, Iterator, Optional
 
 import jax
@@ -61,6 +63,55 @@ def to_global(local_batch, batch_sharding, global_batch_size):
     return jax.make_array_from_process_local_data(
         batch_sharding, x, (global_batch_size,) + x.shape[1:])
   return jax.tree.map(one, local_batch)
+
+
+class Prefetch:
+  """`make(step)` for steps [start, stop), built `depth` steps ahead on a background thread.
+
+  Assembling a batch on the host and copying it onto the devices then overlap the steps
+  that run before it, and go on while the loop waits to log, evaluate or save. `get`
+  returns the batches in step order and re-raises the thread's error. depth 0 builds
+  each batch when it is asked for.
+  """
+
+  def __init__(self, make, start, stop, depth):
+    self._make, self._next, self._depth = make, start, depth
+    self._queue = queue.Queue(maxsize=max(depth, 1))
+    self._closed = threading.Event()
+    self._thread = None
+    if depth:
+      self._thread = threading.Thread(target=self._fill, args=(start, stop), daemon=True,
+                                      name='zoo-prefetch')
+      self._thread.start()
+
+  def _fill(self, start, stop):
+    for step in range(start, stop):
+      try:
+        item = (step, self._make(step))
+      except BaseException as e:  # pylint: disable=broad-except
+        item = (step, e)
+      while not self._closed.is_set():
+        try:
+          self._queue.put(item, timeout=0.1)
+          break
+        except queue.Full:
+          continue
+      if self._closed.is_set() or isinstance(item[1], BaseException):
+        return
+
+  def get(self, step):
+    if not self._depth:
+      return self._make(step)
+    got, batch = self._queue.get()
+    if isinstance(batch, BaseException):
+      raise batch
+    assert got == step, f'prefetched step {got}, expected {step}'
+    return batch
+
+  def close(self):
+    self._closed.set()
+    if self._thread is not None:
+      self._thread.join(timeout=10)
 
 
 def epoch_order(seed, num_examples, step, global_batch_size):

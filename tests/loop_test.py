@@ -1,0 +1,57 @@
+"""The train loop waits on the devices only to log, evaluate or save; batches are prefetched."""
+import sys
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import load_config, read_metrics
+from zoo import data, train
+
+
+def test_prefetch_yields_batches_in_order_from_another_thread():
+  threads = []
+
+  def make(step):
+    threads.append(threading.current_thread().name)
+    return {'x': np.full((2,), step)}
+  batches = data.Prefetch(make, 3, 9, depth=2)
+  assert [int(batches.get(s)['x'][0]) for s in range(3, 9)] == list(range(3, 9))
+  batches.close()
+  assert set(threads) == {'zoo-prefetch'}
+  inline = data.Prefetch(make, 0, 2, depth=0)
+  assert int(inline.get(1)['x'][0]) == 1 and threads[-1] == threading.current_thread().name
+
+
+def test_prefetch_reraises_the_threads_error_and_close_stops_it():
+  def make(step):
+    if step == 2:
+      raise ValueError('bad file at step 2')
+    return step
+  batches = data.Prefetch(make, 0, 5, depth=3)
+  assert [batches.get(0), batches.get(1)] == [0, 1]
+  with pytest.raises(ValueError, match='bad file at step 2'):
+    batches.get(2)
+  endless = data.Prefetch(lambda step: step, 0, 10**9, depth=2)
+  endless.get(0)
+  endless.close()
+  assert not endless._thread.is_alive()  # pylint: disable=protected-access
+
+
+def test_metrics_are_fetched_only_at_log_steps(tmp_path, devices, monkeypatch):
+  """40 steps, logging every 10: the loop fetches 4 steps' metrics, not 40."""
+  del devices
+  fetched = []
+  original = jax.device_get
+
+  def counting_device_get(x):
+    if sys._getframe(1).f_code.co_name == 'report':  # pylint: disable=protected-access
+      fetched.append(x)
+    return original(x)
+  monkeypatch.setattr(jax, 'device_get', counting_device_get)
+  config = load_config('mlp_digits', **{'train.steps': 40, 'train.log_every_steps': 10,
+                                        'eval.every_steps': 40, 'checkpoint.every_steps': 40})
+  train.train_and_evaluate(config, str(tmp_path))
+  assert len(fetched) == 4
+  assert [r['step'] for r in read_metrics(tmp_path) if 'train/loss' in r] == [10, 20, 30, 40]

@@ -1,0 +1,91 @@
+"""--dry_run: the plan's numbers are the compiled step's, and it runs and writes nothing."""
+import jax
+import numpy as np
+import pytest
+
+from conftest import load_config, run_cli, trainer, experiment
+from zoo import plan
+
+
+def _device0_bytes(tree):
+  return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize('name', ['char_lm', 'resnet_digits'])
+def test_plan_matches_the_compiled_step_and_the_real_state(name, devices):
+  del devices
+  overrides = {'mesh.shape': (2, 4)}
+  p = plan.make_plan(load_config(name, **overrides))
+  t = trainer(name, **overrides)  # The real state and step of the same config.
+  with t.scope():
+    memory = t.p_train.lower(t.state, t.batch(0)).compile().memory_analysis()
+  assert p['compiled_memory'] == {
+      'arguments': memory.argument_size_in_bytes, 'outputs': memory.output_size_in_bytes,
+      'aliased': memory.alias_size_in_bytes, 'temporaries': memory.temp_size_in_bytes,
+      'code': memory.generated_code_size_in_bytes, 'peak': p['compiled_memory']['peak']}
+  held = p['bytes_per_device']
+  assert held['params'] == _device0_bytes(t.state.params)
+  assert held['optimizer'] == _device0_bytes(t.state.opt_state)
+  assert held['model_state'] == _device0_bytes(t.state.model_state)
+  assert (held['model_state'] > 0) == (name == 'resnet_digits')
+  # The step's arguments are exactly the state and the batch.
+  assert sum(held.values()) == p['compiled_memory']['arguments']
+  assert p['step_cost']['model_flops'] > 0 and p['fits'] is None
+
+
+def test_collectives_follow_the_rules(devices):
+  """Standard rules: activations all-reduced over 'model' (Megatron), gradients over
+  'batch', nothing gathered. FSDP: parameters all-gathered over 'batch'."""
+  del devices
+  standard = plan.make_plan(load_config('char_lm', **{'mesh.shape': (4, 2)}))
+  kinds = {(r['kind'], r['axes']) for r in standard['collectives']}
+  assert {('all-reduce', 'model'), ('all-reduce', 'batch')} <= kinds
+  assert not any(kind == 'all-gather' for kind, _ in kinds), kinds
+  fsdp = plan.make_plan(load_config('char_lm', 'smoke,fsdp', **{'mesh.shape': (4, 2)}))
+  assert ('all-gather', 'batch') in {(r['kind'], r['axes']) for r in fsdp['collectives']}
+  assert fsdp['bytes_per_device']['params'] < standard['bytes_per_device']['params'] / 3
+
+
+HLO = '''
+  %a = f32[4,32]{1,0} all-reduce(%x), channel_id=1, replica_groups=[4,2]<=[8], to_apply=%add
+  %b = (f32[64]{0}, bf16[2,8]{1,0}) all-reduce(%y, %z), replica_groups={{0,2,4,6},{1,3,5,7}}, to_apply=%add
+  %c = f32[8,16]{1,0} all-gather(%w), replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}
+  %d = (f32[2]{0}, f32[8]{0}) all-gather-start(%v), replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
+  %e = f32[16]{0} collective-permute(%u), source_target_pairs={{0,1},{1,0}}
+  %f = f32[16]{0} add(%all-reduce, %u)
+'''
+
+
+def test_collectives_parser_reads_every_replica_group_form():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ('batch', 'model'))
+  rows = {(r['kind'], r['axes']): (r['count'], r['bytes'], r['group_size'])
+          for r in plan.collectives(HLO, mesh)}
+  assert rows == {
+      ('all-reduce', 'model'): (1, 4 * 32 * 4, 2),
+      ('all-reduce', 'batch'): (1, 64 * 4 + 16 * 2, 4),
+      # device_ids lists the mesh column-major: axis_0's groups are then {0, 1, 2, 3}...
+      ('all-gather', 'part of batch+model'): (1, 8 * 16 * 4, 4),
+      ('all-gather', 'batch'): (1, 8 * 4, 4),   # The start's result, not its operand.
+      ('collective-permute', 'pairs'): (1, 16 * 4, None)}
+
+
+def test_dry_run_plans_a_mesh_larger_than_the_tests_and_writes_nothing(tmp_path):
+  """16 emulated devices on a (4, 4) mesh; a memory budget it misses; a --workdir it ignores."""
+  workdir = tmp_path / 'run'
+  args = [f'--config={experiment("char_lm")}:smoke', '--config.mesh.shape=(4,4)', '--dry_run',
+          f'--workdir={workdir}']
+  tight = run_cli(*args, '--device_memory_gib=0.001', devices=16)
+  assert tight.returncode == 1, tight.stderr[-3000:]
+  out = tight.stdout  # The whole plan, then the verdict.
+  assert "mesh {'batch': 4, 'model': 4} on 16 cpu devices" in out
+  assert 'block_0/mlp/wi' in out and 'peak = args + outputs - aliased + temporaries' in out
+  assert 'all-reduce' in out and 'groups of 4 (model)' in out and 'LM analytic' in out
+  assert 'DOES NOT FIT in 0.00 GiB' not in out and 'DOES NOT FIT in 1.02 MiB per device' in out
+  assert tight.stderr.strip().splitlines()[-1].startswith(
+      'zoo: the train step needs 0.0'), tight.stderr[-500:]
+  assert 'more than --device_memory_gib=0.001' in tight.stderr
+  assert not workdir.exists()
+  no_workdir = run_cli(f'--config={experiment("char_lm")}:smoke')
+  assert no_workdir.returncode == 1
+  assert no_workdir.stderr.strip().splitlines()[-1] == (
+      'zoo: error: --workdir is required (or --dry_run, which writes nothing)')

@@ -1,0 +1,197 @@
+"""A run's plan without running it: `python -m zoo.main --config=... --dry_run`.
+
+Builds the mesh and the abstract train state (no array is allocated), compiles the train
+step for it and reports what each device would hold and do: the parameter sharding table;
+bytes per device of parameters, optimizer state, model state and the batch; XLA's memory
+analysis of the compiled step (arguments, outputs, donated buffers, temporaries) and
+whether its peak fits `--device_memory_gib`; FLOPs per step; the collectives in the
+compiled step. Emulated CPU devices (`--cpu_devices=N`) plan a mesh larger than the
+machine: byte counts of state and batch are exact for any backend; temporaries and
+collectives are what the CPU compiler chose, and another backend's fusion and
+scheduling differ.
+"""
+import itertools
+import math
+import re
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from zoo import config as cfg
+from zoo import data, sharding, train
+
+COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
+_OP = re.compile(r'=\s+(\([^()]*\)|\S+)\s+(' + '|'.join(COLLECTIVES) + r')(-start)?\(')
+_SHAPE = re.compile(r'\b([a-z]+[0-9]*)\[([0-9,]*)\]')
+_ITEMSIZE = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
+             'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8,
+             'c64': 8, 'c128': 16}
+
+
+def _bytes(shape_text):
+  """Bytes of each array in an HLO shape: `f32[4,32]{1,0}` or a tuple of them."""
+  return [_ITEMSIZE.get(dtype, 4) * math.prod(int(d) for d in dims.split(',') if d)
+          for dtype, dims in _SHAPE.findall(shape_text)]
+
+
+def _iota(dims, perm=None):
+  """XLA's iota device list: arange reshaped to `dims`, transposed by `perm`."""
+  ids = np.arange(math.prod(dims)).reshape(dims)
+  return ids.transpose(perm) if perm else ids
+
+
+def _ints(text):
+  return [int(x) for x in text.split(',') if x]
+
+
+def _replica_groups(line, num_devices):
+  """The replica groups of a collective's HLO line, as sets of logical device ids (positions
+  in the mesh's flattened device order); None for point-to-point ops."""
+  if (m := re.search(r'replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?', line)):
+    dims = _ints(m.group(1))
+    ids = _iota(_ints(m.group(2)), m.group(3) and _ints(m.group(3)))
+    return [set(g) for g in ids.reshape(-1, dims[-1]).tolist()]
+  if (m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\]"
+                     r"(?:T\(([0-9,]+)\))?\))?\s*\{([^}]*)\}", line)):
+    names_sizes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    names, sizes = [n for n, _ in names_sizes], [int(s) for _, s in names_sizes]
+    ids = np.arange(math.prod(sizes)) if not m.group(2) else \
+        _iota(_ints(m.group(2)), m.group(3) and _ints(m.group(3))).reshape(-1)
+    grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
+    ids = np.moveaxis(ids.reshape(sizes), grouped, list(range(-len(grouped), 0)))
+    size = math.prod(sizes[i] for i in grouped)
+    return [set(g) for g in ids.reshape(-1, size).tolist()]
+  if (m := re.search(r'replica_groups=\{(\{[0-9,{}]*\})\}', line)):
+    return [set(_ints(g)) for g in re.findall(r'\{([0-9,]*)\}', m.group(1))]
+  if 'replica_groups={}' in line:
+    return [set(range(num_devices))]
+  return None
+
+
+def _mesh_axes_of(group, mesh):
+  """The mesh axes whose devices form `group` (the group holding device 0): e.g. 'model',
+  or 'part of batch' for a subgroup of an axis's devices."""
+  positions = np.arange(mesh.size).reshape(mesh.devices.shape)
+  names = list(mesh.axis_names)
+  candidates = [axes for r in range(1, len(names) + 1) for axes in itertools.combinations(names, r)]
+  def devices_along(axes):
+    index = tuple(slice(None) if a in axes else 0 for a in names)
+    return set(positions[index].reshape(-1).tolist())
+  for axes in candidates:
+    if devices_along(axes) == group:
+      return '+'.join(axes)
+  for axes in candidates:
+    if group < devices_along(axes):
+      return 'part of ' + '+'.join(axes)
+  return '?'
+
+
+def collectives(hlo_text, mesh):
+  """Collectives of a compiled module: rows {kind, group_size, axes, count, bytes}; bytes are
+  the results' per device. An op inside a loop body (nn.scan, microbatches) is listed once."""
+  rows = {}
+  for line in hlo_text.splitlines():
+    m = _OP.search(line)
+    if not m:
+      continue
+    shape, kind, start = m.groups()
+    sizes = _bytes(shape)
+    # An async start's tuple holds operands and results (and context): take the result.
+    nbytes = sum(sizes) if not start or kind == 'all-reduce' else max(sizes, default=0)
+    groups = _replica_groups(line, mesh.size)
+    first = next((g for g in groups if 0 in g), groups[0]) if groups else None
+    size = len(first) if first else None
+    axes = _mesh_axes_of(first, mesh) if first else 'pairs'
+    row = rows.setdefault((kind, size, axes), {
+        'kind': kind, 'group_size': size, 'axes': axes, 'count': 0, 'bytes': 0})
+    row['count'] += 1
+    row['bytes'] += nbytes
+  return sorted(rows.values(), key=lambda r: (r['kind'], r['group_size'] or 0))
+
+
+def make_plan(config, device_memory_gib=0.0):
+  """The plan of `config` on the present devices, as a dict (see format_plan)."""
+  cfg.validate(config, jax.device_count())
+  dataset = data.load(config.data, config.seed)
+  cfg.validate_with_data(config, dataset)
+  run = train.setup(config, dataset)
+  with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
+    table = sharding.param_table(run.boxed.params, run.mesh, run.rules)
+    table += sharding.param_table(run.boxed.model_state, run.mesh, run.rules)
+    cfg.validate_shardings(table, run.mesh, run.rules)
+    abstract, _ = train.restore_target(run.init, run.state_shardings, run.rng)
+    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                         abstract, run.state_shardings)
+    p_train, _ = train.jit_steps(run.state_shardings, run.batch_sharding, run.dropout_rng,
+                                 config.train.microbatches)
+    t0 = time.perf_counter()
+    compiled = p_train.lower(state, run.batch).compile()
+    compile_s = time.perf_counter() - t0
+  held = {'params': sharding.per_device_bytes(state.params),
+          'optimizer': sharding.per_device_bytes(state.opt_state),
+          'model_state': sharding.per_device_bytes(state.model_state),
+          'batch': sharding.per_device_bytes(run.batch)}
+  held['other'] = sharding.per_device_bytes(state) - held['params'] - held['optimizer'] - \
+      held['model_state']  # The step counter.
+  m = compiled.memory_analysis()
+  memory = None
+  if m is not None:
+    memory = {'arguments': m.argument_size_in_bytes, 'outputs': m.output_size_in_bytes,
+              'aliased': m.alias_size_in_bytes, 'temporaries': m.temp_size_in_bytes,
+              'code': m.generated_code_size_in_bytes}
+    # Donated state: outputs that alias arguments take no extra memory.
+    memory['peak'] = (memory['arguments'] + memory['outputs'] - memory['aliased']
+                      + memory['temporaries'] + memory['code'])
+  budget = device_memory_gib * 2**30 if device_memory_gib else None
+  return {
+      'mesh': dict(run.mesh.shape), 'devices': run.mesh.size,
+      'platform': run.mesh.devices.flat[0].platform,
+      'params': table, 'bytes_per_device': held, 'compiled_memory': memory,
+      'device_memory_bytes': budget,
+      'fits': None if budget is None or memory is None else memory['peak'] <= budget,
+      'step_cost': train.step_cost(config, run, compiled, dataset.task),
+      'compile_s': compile_s,
+      'collectives': collectives(compiled.as_text(), run.mesh),
+  }
+
+
+def _mib(n):
+  return f'{n / 2**20:,.2f} MiB'
+
+
+def format_plan(p):
+  """The plan as text."""
+  lines = [f'mesh {p["mesh"]} on {p["devices"]} {p["platform"]} devices; the train step '
+           f'compiled in {p["compile_s"]:.1f} s', '', sharding.format_param_table(p['params']), '',
+           'per device:']
+  held = p['bytes_per_device']
+  for key, label in (('params', 'parameters'), ('optimizer', 'optimizer state'),
+                     ('model_state', 'model state (BatchNorm)'), ('batch', 'train batch'),
+                     ('other', 'step counter')):
+    if held[key]:
+      lines.append(f'  {label:28s}{_mib(held[key]):>14s}')
+  m = p['compiled_memory']
+  if m is None:
+    lines.append('  (this backend gives no memory analysis of the compiled step)')
+  else:
+    lines.append('compiled train step, per device (XLA memory analysis):')
+    for key, label in (('arguments', 'arguments (state + batch)'),
+                       ('outputs', 'outputs (new state + metrics)'),
+                       ('aliased', 'outputs aliasing donated args'),
+                       ('temporaries', 'temporaries'), ('code', 'generated code'),
+                       ('peak', 'peak = args + outputs - aliased + temporaries + code')):
+      lines.append(f'  {label:28s}{_mib(m[key]):>14s}' if key != 'peak' else
+                   f'  {label}: {_mib(m[key])}')
+  if p['fits'] is not None:
+    verdict = 'fits' if p['fits'] else 'DOES NOT FIT'
+    lines.append(f'{verdict} in {_mib(p["device_memory_bytes"])} per device')
+  lines.append(train.format_cost(p['step_cost']))
+  lines.append('collectives in the compiled step (an op in a loop body is listed once):')
+  if not p['collectives']:
+    lines.append('  none')
+  for r in p['collectives']:
+    group = f'groups of {r["group_size"]} ({r["axes"]})' if r['group_size'] else 'point to point'
+    lines.append(f'  {r["kind"]:20s}{r["count"]:4d} x, {group:28s}{_mib(r["bytes"]):>14s} per device')
+  return '\n'.join(lines)
