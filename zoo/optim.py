@@ -1,5 +1,6 @@
 """The optax optimizer built from `config.optimizer`."""
 import jax
+import jax.numpy as jnp
 import optax
 
 OPTIMIZERS = ('adamw', 'sgd')
@@ -35,5 +36,21 @@ def make_optimizer(total_steps, *, name, learning_rate, schedule, warmup_steps,
     tx = optax.chain(optax.add_decayed_weights(weight_decay, mask=matrices),
                      optax.sgd(lr, momentum=momentum or None))
   if grad_clip_norm > 0:
-    tx = optax.chain(optax.clip_by_global_norm(grad_clip_norm), tx)
-  return tx, lr
+    tx = optax.chain(clip_by_global_norm(grad_clip_norm), tx)
+  return optax.with_extra_args_support(tx), lr  # update(..., grad_norm=) either way.
+
+
+def clip_by_global_norm(max_norm):
+  """optax.clip_by_global_norm that can take the norm from its caller (`grad_norm=`): the
+  train step computes it once for the clip and its metric. Without sharded gradients'
+  norm computed twice, XLA would run two sets of cross-device reductions."""
+  def init(params):
+    del params
+    return optax.EmptyState()
+
+  def update(updates, state, params=None, *, grad_norm=None, **extra_args):
+    del params, extra_args
+    norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+    scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
+  return optax.GradientTransformationExtraArgs(init, update)

@@ -54,7 +54,9 @@ def _microbatches(x, k):
 
 
 def train_step(state, batch, rng, microbatches=1):
-  """One optimizer step on a global batch; returns the new state and scalar metrics.
+  """One optimizer step on a global batch; returns the new state, the loss and the
+  gradient norm (computed once, for the metric and for optim.clip_by_global_norm). The
+  loop adds the parameter norm, a separate program, only at steps it logs or saves.
 
   Dropout keys derive from (rng, step), so a resumed run draws the same masks. With
   `microbatches` k > 1 the batch's gradient is the mean of k microbatch gradients,
@@ -79,16 +81,12 @@ def train_step(state, batch, rng, microbatches=1):
         (jnp.arange(microbatches), micro))
     loss = loss / microbatches
     grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, state.params)
-  updates, opt_state = state.tx.update(grads, state.opt_state, state.params)
+  grad_norm = optax.tree.norm(grads)
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params, grad_norm=grad_norm)
   params = optax.apply_updates(state.params, updates)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             model_state=model_state)
-  return new_state, {
-      'train/loss': loss,
-      'train/grad_norm': optax.tree.norm(grads),
-      'train/param_norm': optax.tree.norm(params),
-      'train/update_norm': optax.tree.norm(updates),
-  }
+  return new_state, {'train/loss': loss, 'train/grad_norm': grad_norm}
 
 
 def eval_step(state, batch):
@@ -340,6 +338,7 @@ def train_and_evaluate(config, workdir):
     writer = metrics.MetricWriter(workdir, is_main, start_step)
     stop = checkpoint.StopRequest(manager)
 
+    param_norm = jax.jit(optax.tree.norm, in_shardings=(run.state_shardings.params,))
     t0 = time.perf_counter()
     p_train = p_train.lower(state, run.batch).compile()
     logging.info('compiled the train step in %.1f s', time.perf_counter() - t0)
@@ -403,6 +402,8 @@ def train_and_evaluate(config, workdir):
         preempted = stop(done) and done < total_steps  # The last step saves and evals anyway.
         eval_due = done % config.eval.every_steps == 0 or done == total_steps
         save_due = done % config.checkpoint.every_steps == 0 or done == total_steps or preempted
+        if eval_due or save_due or log_due(done):
+          step_metrics['train/param_norm'] = param_norm(state.params)  # Finite state?
         if eval_due or save_due:
           report(done, step_metrics)  # Raises on a non-finite state, so it is never saved.
         elif log_due(done):
