@@ -8,6 +8,12 @@ Expect: 2.22 held-out bits per character (the corpus's unigram entropy is 4.69) 
 600 steps, about 6 minutes on a 2-core CPU (one device, whole command); the samples turn
 from spaces to word-like text with code punctuation. `:smoke`: seconds, ~4 bits/char.
 `:fsdp` (or `:smoke,fsdp`) shards parameters and optimizer state over 'batch' as well.
+
+`:100m` and `:1b` are GPT-sized decoders (86M and 1.0B parameters; bf16 compute, 1,024
+characters of context, scanned layers) for measuring throughput and MFU on an
+accelerator: this corpus is far too small to train them well. Plan one before running it:
+`--cpu_devices=1 --dry_run --device_memory_gib=60` prints bytes and FLOPs for one H100
+(JAX takes 75% of its 80 GB by default; XLA_PYTHON_CLIENT_MEM_FRACTION changes that).
 """
 from zoo.config import base_config
 from zoo.sharding import fsdp_rules
@@ -15,8 +21,9 @@ from zoo.sharding import fsdp_rules
 
 def get_config(arg=None):
   variants = set(arg.split(',')) if arg else set()
-  if variants - {'smoke', 'fsdp'}:
-    raise ValueError(f'unknown variant {arg!r} of char_lm; known: smoke, fsdp (e.g. smoke,fsdp)')
+  if variants - {'smoke', 'fsdp', '100m', '1b'} or {'100m', '1b'} <= variants:
+    raise ValueError(f'unknown variant {arg!r} of char_lm; known: smoke, fsdp (e.g. smoke,fsdp), '
+                     '100m, 1b')
   c = base_config()
   c.model.name = 'transformer_lm'
   c.model.num_layers = 4
@@ -45,6 +52,20 @@ def get_config(arg=None):
   c.checkpoint.every_steps = 200
   if 'fsdp' in variants:           # Parameters' embed axis split over 'batch' (FSDP).
     c.logical_axis_rules = fsdp_rules()
+  if variants & {'100m', '1b'}:     # Throughput on an accelerator; see the docstring.
+    c.model.update(max_len=1024, dtype='bfloat16', scan_layers=True)
+    c.data.seq_len = 1024
+    c.train.steps = 300
+    c.optimizer.learning_rate = 3e-4
+    c.optimizer.warmup_steps = 30
+    c.eval.every_steps = c.checkpoint.every_steps = 300
+    c.eval.batch_size = 16
+  if '100m' in variants:           # 12 x (4 x 768^2 + 2 x 768 x 3072) = 85M in the blocks.
+    c.model.update(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072, remat='dots_no_batch')
+    c.train.batch_size = 32
+  if '1b' in variants:             # 20 x (4 x 2048^2 + 2 x 2048 x 8192) = 1.0B in the blocks.
+    c.model.update(num_layers=20, d_model=2048, num_heads=16, mlp_dim=8192, remat='dots_no_batch')
+    c.train.batch_size = 16
   if 'smoke' in variants:
     c.model.num_layers = 2
     c.model.d_model = 64

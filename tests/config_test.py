@@ -116,18 +116,22 @@ def test_cli_prints_one_line_and_exits_nonzero(flag, message, tmp_path):
   assert not workdir.exists()
 
 
-# every_steps=1 checks each step before its save; 1000 exercises the one-step-late check.
-@pytest.mark.parametrize('every', [1, 1000])
-def test_non_finite_loss_stops_with_the_step_and_is_never_saved(every, tmp_path, devices):
+# every=1 checks each step before its save; with saves only at the end, log_every=100 checks
+# at the last step and log_every=5 at step 5, a step late (after step 6 is dispatched).
+@pytest.mark.parametrize('every,log_every', [(1, 100), (1000, 100), (1000, 5)])
+def test_non_finite_loss_stops_with_the_step_and_is_never_saved(every, log_every, tmp_path,
+                                                                   devices):
   del devices
   config = load_config('mlp_digits', **{
       'optimizer.name': 'sgd', 'optimizer.learning_rate': 1e12, 'optimizer.grad_clip_norm': 0.0,
-      'optimizer.warmup_steps': 0, 'optimizer.schedule': 'constant', 'train.log_every_steps': 100,
-      'checkpoint.every_steps': every})
+      'optimizer.warmup_steps': 0, 'optimizer.schedule': 'constant',
+      'train.log_every_steps': log_every, 'checkpoint.every_steps': every})
   with pytest.raises(NonFiniteError,
                      match=r'non-finite train/(loss|param_norm) \S+ at step (\d+)') as error:
     train.train_and_evaluate(config, str(tmp_path))
   bad_step = int(re.search(r'at step (\d+)', str(error.value)).group(1))
+  if log_every == 5:
+    assert bad_step == 5
   saved = [int(s) for s in os.listdir(tmp_path / 'checkpoints') if s.isdigit()]
   assert all(s < bad_step for s in saved), (saved, bad_step)
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import load_config, read_metrics
+from conftest import load_config, read_metrics, trainer
 from zoo import data, train
 
 
@@ -55,3 +55,19 @@ def test_metrics_are_fetched_only_at_log_steps(tmp_path, devices, monkeypatch):
   train.train_and_evaluate(config, str(tmp_path))
   assert len(fetched) == 4
   assert [r['step'] for r in read_metrics(tmp_path) if 'train/loss' in r] == [10, 20, 30, 40]
+
+
+def test_state_check_finds_a_non_finite_optimizer_state(devices):
+  """Adam's second moment can overflow while the parameters stay finite (its update is
+  then 0): the check before a save looks at everything the checkpoint holds."""
+  del devices
+  t = trainer('mlp_digits')
+  with t.scope():
+    good = train.check_state(t.initial)
+    assert bool(good['state_finite']) and np.isfinite(float(good['train/param_norm']))
+    leaves, tree = jax.tree.flatten(t.initial.opt_state)
+    index = max(range(len(leaves)), key=lambda i: leaves[i].size)  # A moment, not the count.
+    leaves[index] = leaves[index].at[(0,) * leaves[index].ndim].set(np.inf)
+    bad = train.check_state(t.initial.replace(opt_state=jax.tree.unflatten(tree, leaves)))
+  assert not bool(bad['state_finite'])
+  assert float(bad['train/param_norm']) == float(good['train/param_norm'])

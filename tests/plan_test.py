@@ -51,6 +51,7 @@ HLO = '''
   %b = (f32[64]{0}, bf16[2,8]{1,0}) all-reduce(%y, %z), replica_groups={{0,2,4,6},{1,3,5,7}}, to_apply=%add
   %c = f32[8,16]{1,0} all-gather(%w), replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}
   %d = (f32[2]{0}, f32[8]{0}) all-gather-start(%v), replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
+  %g = ((f32[2]{0}, f8e4m3fn[4]{0}), (f32[8]{0}, f8e4m3fn[16]{0})) all-gather-start(%p, %q), replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}
   %e = f32[16]{0} collective-permute(%u), source_target_pairs={{0,1},{1,0}}
   %f = f32[16]{0} add(%all-reduce, %u)
 '''
@@ -65,7 +66,8 @@ def test_collectives_parser_reads_every_replica_group_form():
       ('all-reduce', 'batch'): (1, 64 * 4 + 16 * 2, 4),
       # device_ids lists the mesh column-major: axis_0's groups are then {0, 1, 2, 3}...
       ('all-gather', 'part of batch+model'): (1, 8 * 16 * 4, 4),
-      ('all-gather', 'batch'): (1, 8 * 4, 4),   # The start's result, not its operand.
+      # The starts' results, not their operands: one array, then a combined pair.
+      ('all-gather', 'batch'): (2, 8 * 4 + 8 * 4 + 16 * 1, 4),
       ('collective-permute', 'pairs'): (1, 16 * 4, None)}
 
 

@@ -1,6 +1,7 @@
 """Trains an experiment: `python -m zoo.main --config=experiments/x.py[:arg] --workdir=DIR`.
 
-`--dry_run` prints the run's plan (zoo.plan) instead: nothing runs, nothing is written.
+`--dry_run` prints the run's plan (zoo.plan) instead: nothing runs, and nothing is written
+(except compiled programs to --compilation_cache_dir, if given).
 """
 import os
 import sys
@@ -18,7 +19,7 @@ _CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment file, e.g.
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs.')
 _DRY_RUN = flags.DEFINE_bool(
     'dry_run', False, 'Compile the train step for the mesh and print its plan: sharding, bytes '
-    'and FLOPs per device, collectives. Runs nothing, writes nothing; --workdir not needed.')
+    'and FLOPs per device, collectives. Runs nothing, writes no workdir (not needed).')
 _DEVICE_MEMORY = flags.DEFINE_float(
     'device_memory_gib', 0.0, 'With --dry_run: memory per device; exit 1 if the step needs more.')
 _CPU_DEVICES = flags.DEFINE_integer(
@@ -49,6 +50,8 @@ def main(argv):
     if _DRY_RUN.value:
       _dry_run(_CONFIG.value, _DEVICE_MEMORY.value)
       return
+    if _DEVICE_MEMORY.value:
+      raise ZooError('--device_memory_gib goes with --dry_run, which checks the plan against it')
     if not _WORKDIR.value:
       raise ZooError('--workdir is required (or --dry_run, which writes nothing)')
     train.train_and_evaluate(_CONFIG.value, _WORKDIR.value)

@@ -21,19 +21,34 @@ import numpy as np
 
 from zoo import config as cfg
 from zoo import data, sharding, train
+from zoo.errors import ConfigError
 
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
-_OP = re.compile(r'=\s+(\([^()]*\)|\S+)\s+(' + '|'.join(COLLECTIVES) + r')(-start)?\(')
-_SHAPE = re.compile(r'\b([a-z]+[0-9]*)\[([0-9,]*)\]')
+_OP = re.compile(r'=\s+(.*?)\s+(' + '|'.join(COLLECTIVES) + r')(-start)?\(')
+_SHAPE = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
 _ITEMSIZE = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
              'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8,
              'c64': 8, 'c128': 16}
 
 
 def _bytes(shape_text):
-  """Bytes of each array in an HLO shape: `f32[4,32]{1,0}` or a tuple of them."""
-  return [_ITEMSIZE.get(dtype, 4) * math.prod(int(d) for d in dims.split(',') if d)
-          for dtype, dims in _SHAPE.findall(shape_text)]
+  """Total bytes of the arrays in an HLO shape: `f32[4,32]{1,0}` or a (nested) tuple."""
+  return sum(_ITEMSIZE.get(dtype, 4) * math.prod(int(d) for d in dims.split(',') if d)
+             for dtype, dims in _SHAPE.findall(shape_text))
+
+
+def _tuple_elements(shape_text):
+  """The top-level elements of a tuple shape `(a, (b, c), d)`; [shape_text] if no tuple."""
+  text = shape_text.strip()
+  if not text.startswith('('):
+    return [text]
+  elements, depth, start = [], 0, 1
+  for i, ch in enumerate(text):
+    depth += {'(': 1, ')': -1}.get(ch, 0)
+    if (ch == ',' and depth == 1) or (ch == ')' and depth == 0):
+      elements.append(text[start:i])
+      start = i + 1
+  return elements
 
 
 def _iota(dims, perm=None):
@@ -97,9 +112,9 @@ def collectives(hlo_text, mesh):
     if not m:
       continue
     shape, kind, start = m.groups()
-    sizes = _bytes(shape)
-    # An async start's tuple holds operands and results (and context): take the result.
-    nbytes = sum(sizes) if not start or kind == 'all-reduce' else max(sizes, default=0)
+    # An async start's shape is (operands, results[, context]), except all-reduce's: results.
+    parts = _tuple_elements(shape)
+    nbytes = _bytes(parts[1] if start and kind != 'all-reduce' and len(parts) > 1 else shape)
     groups = _replica_groups(line, mesh.size)
     first = next((g for g in groups if 0 in g), groups[0]) if groups else None
     size = len(first) if first else None
@@ -145,6 +160,9 @@ def make_plan(config, device_memory_gib=0.0):
     memory['peak'] = (memory['arguments'] + memory['outputs'] - memory['aliased']
                       + memory['temporaries'] + memory['code'])
   budget = device_memory_gib * 2**30 if device_memory_gib else None
+  if budget and memory is None:
+    raise ConfigError('--device_memory_gib: this backend gives no memory analysis of the '
+                      'compiled step, so the budget cannot be checked; drop the flag')
   return {
       'mesh': dict(run.mesh.shape), 'devices': run.mesh.size,
       'platform': run.mesh.devices.flat[0].platform,
@@ -171,7 +189,7 @@ def format_plan(p):
                      ('model_state', 'model state (BatchNorm)'), ('batch', 'train batch'),
                      ('other', 'step counter')):
     if held[key]:
-      lines.append(f'  {label:28s}{_mib(held[key]):>14s}')
+      lines.append(f'  {label:32s}{_mib(held[key]):>14s}')
   m = p['compiled_memory']
   if m is None:
     lines.append('  (this backend gives no memory analysis of the compiled step)')
@@ -182,8 +200,9 @@ def format_plan(p):
                        ('aliased', 'outputs aliasing donated args'),
                        ('temporaries', 'temporaries'), ('code', 'generated code'),
                        ('peak', 'peak = args + outputs - aliased + temporaries + code')):
-      lines.append(f'  {label:28s}{_mib(m[key]):>14s}' if key != 'peak' else
+      lines.append(f'  {label:32s}{_mib(m[key]):>14s}' if key != 'peak' else
                    f'  {label}: {_mib(m[key])}')
+    lines.append('  (not counted: prefetched batches, the eval step, the runtime\'s own reserve)')
   if p['fits'] is not None:
     verdict = 'fits' if p['fits'] else 'DOES NOT FIT'
     lines.append(f'{verdict} in {_mib(p["device_memory_bytes"])} per device')

@@ -1,4 +1,5 @@
 """Sharded training and evaluation: validate -> mesh -> data -> state -> loop."""
+import collections
 import dataclasses
 import functools
 import itertools
@@ -25,6 +26,10 @@ from zoo.models import transformer_lm
 # Variable collections a model updates as it trains (BatchNorm's running statistics):
 # they live in the train state, are sharded like any state and are checkpointed.
 STATE_COLLECTIONS = ('batch_stats',)
+# Steps the loop may dispatch beyond the newest one the devices finished: enough to keep
+# them busy, few enough that a stop request (SIGTERM) is served within a few steps and
+# that few batches wait on the devices.
+MAX_STEPS_AHEAD = 2
 
 
 class TrainState(train_state.TrainState):
@@ -151,6 +156,12 @@ def setup(config, dataset, mesh=None):
     init, boxed = abstract_state(model, tx, jax.tree.map(jnp.zeros_like, example), rng)
   return Setup(mesh, rules, model, tx, lr_schedule, batch_sharding, init, boxed,
                sharding.logical_shardings(boxed, mesh, rules), rng, batch)
+
+
+def check_state(state):
+  """The parameter norm, and whether everything a checkpoint saves is finite."""
+  finite = [jnp.isfinite(x).all() for x in jax.tree.leaves(checkpoint.saved_tree(state))]
+  return {'train/param_norm': optax.tree.norm(state.params), 'state_finite': jnp.stack(finite).all()}
 
 
 def step_cost(config, run, compiled, task):
@@ -338,10 +349,10 @@ def train_and_evaluate(config, workdir):
     writer = metrics.MetricWriter(workdir, is_main, start_step)
     stop = checkpoint.StopRequest(manager)
 
-    param_norm = jax.jit(optax.tree.norm, in_shardings=(run.state_shardings.params,))
     t0 = time.perf_counter()
     p_train = p_train.lower(state, run.batch).compile()
     logging.info('compiled the train step in %.1f s', time.perf_counter() - t0)
+    p_check = jax.jit(check_state, in_shardings=(run.state_shardings,)).lower(state).compile()
     cost = step_cost(config, run, p_train, task)
     cost['peak_flops_per_device'], cost['peak_source'] = perf.peak_flops(
         config.perf.peak_flops_per_device)
@@ -361,14 +372,19 @@ def train_and_evaluate(config, workdir):
     timer = {'time': time.perf_counter(), 'step': start_step}
 
     def report(step, device_metrics):
-      """Fetches a step's metrics (the loop's only wait on the devices between logs, evals
-      and saves), checks they are finite and, at a log step, writes them."""
+      """Fetches a step's metrics (the loop's only transfer from the devices between logs,
+      evals and saves), checks they and the state are finite and, at a log step, writes
+      them. A non-finite value is found at the first such step after it happened."""
       scalars = jax.device_get(device_metrics)
       for name in ('train/loss', 'train/param_norm'):
         if not np.isfinite(scalars[name]):
           raise NonFiniteError(
               f'non-finite {name} {scalars[name]} at step {step}; nothing was checkpointed after '
               'it. Lower optimizer.learning_rate or enable optimizer.grad_clip_norm')
+      if not scalars.pop('state_finite'):
+        raise NonFiniteError(
+            f'non-finite optimizer or model state at step {step}; nothing was checkpointed after '
+            'it. Lower optimizer.learning_rate or enable optimizer.grad_clip_norm')
       if not log_due(step):
         return
       now = time.perf_counter()
@@ -385,16 +401,21 @@ def train_and_evaluate(config, workdir):
       metrics.log_progress(step, total_steps, scalars, step_time * (total_steps - step))
       timer.update(time=time.perf_counter(), step=step)
 
-    # Between logs, evals and saves the loop never waits on the devices: it dispatches
-    # steps while the prefetch thread puts the next batches on the devices, and it
-    # fetches a log step's metrics after dispatching the following step.
+    # Between logs, evals and saves nothing comes back from the devices: the loop
+    # dispatches steps while the prefetch thread puts the next batches on the devices,
+    # waits only for the step MAX_STEPS_AHEAD behind the newest, and fetches a log step's
+    # metrics after dispatching the following step.
     batches = data.Prefetch(make_batch, start_step, total_steps, config.data.prefetch)
     pending, profile = None, Profile(config.profile.steps, workdir)
+    in_flight = collections.deque()
     try:
       for step in range(start_step, total_steps):
         profile.before(step)
         state, step_metrics = p_train(state, batches.get(step))
         profile.after(step + 1, state)
+        in_flight.append(step_metrics['train/loss'])
+        if len(in_flight) > MAX_STEPS_AHEAD:
+          in_flight.popleft().block_until_ready()
         if pending:
           report(*pending)
           pending = None
@@ -403,7 +424,7 @@ def train_and_evaluate(config, workdir):
         eval_due = done % config.eval.every_steps == 0 or done == total_steps
         save_due = done % config.checkpoint.every_steps == 0 or done == total_steps or preempted
         if eval_due or save_due or log_due(done):
-          step_metrics['train/param_norm'] = param_norm(state.params)  # Finite state?
+          step_metrics.update(p_check(state))
         if eval_due or save_due:
           report(done, step_metrics)  # Raises on a non-finite state, so it is never saved.
         elif log_due(done):

@@ -102,7 +102,13 @@ class Prefetch:
   def get(self, step):
     if not self._depth:
       return self._make(step)
-    got, batch = self._queue.get()
+    while True:
+      try:
+        got, batch = self._queue.get(timeout=1.0)
+        break
+      except queue.Empty:
+        if not self._thread.is_alive():
+          raise RuntimeError(f'the prefetch thread stopped before step {step}') from None
     if isinstance(batch, BaseException):
       raise batch
     assert got == step, f'prefetched step {got}, expected {step}'
