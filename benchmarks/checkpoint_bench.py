@@ -28,12 +28,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'
 
 import flax.linen as nn  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import orbax.checkpoint as ocp  # pylint: disable=wrong-import-position
 
-from zoo import checkpoint, data, models, optim, sharding, train  # pylint: disable=wrong-import-position
-from zoo.config import base_config, load_experiment  # pylint: disable=wrong-import-position
+from zoo import checkpoint, data, train  # pylint: disable=wrong-import-position
+from zoo.config import load_experiment  # pylint: disable=wrong-import-position
 
 EXPERIMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'experiments')
 
@@ -55,20 +54,13 @@ STATES = {'100MB lm': _lm_100mb, 'char_lm': lambda: _experiment('char_lm'),
 
 def build(config, mesh_shape, materialise=True):
   """(state tree to save, abstract restore target, bytes) on a mesh of shape `mesh_shape`."""
-  dataset = data.load(config.data, config.seed)
-  mesh = sharding.make_mesh(mesh_shape, config.mesh.axes)
-  rules = [tuple(r) for r in config.logical_axis_rules]
-  model = models.build(config.model, **dataset.model_fields)
-  tx, _ = optim.make_optimizer(config.train.steps, **config.optimizer)
-  example = jax.tree.map(jnp.zeros_like, dataset.train_batch(0, config.train.batch_size,
-                                                            slice(0, 1)))
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    init, boxed = train.abstract_state(model, tx, example, jax.random.key(0))
-    shardings = sharding.logical_shardings(boxed, mesh, rules)
-    _, target = train.restore_target(init, shardings, jax.random.key(0))
+  config.mesh.shape = mesh_shape
+  run = train.setup(config, data.load(config.data, config.seed))
+  with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
+    _, target = train.restore_target(run.init, run.state_shardings, run.rng)
     tree = None
     if materialise:
-      tree = checkpoint.saved_tree(train.create_train_state(init, jax.random.key(0), shardings))
+      tree = checkpoint.saved_tree(train.create_train_state(run.init, run.rng, run.state_shardings))
       jax.block_until_ready(tree)
   size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(target))
   return tree, target, size

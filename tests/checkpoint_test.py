@@ -6,12 +6,11 @@ import shutil
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import experiment, load_config, read_metrics, run_cli
-from zoo import checkpoint, data, models, optim, sharding, train
+from zoo import checkpoint, data, train
 from zoo.errors import CheckpointError
 
 N = 6  # Steps before the stop; the runs go to 2N.
@@ -29,16 +28,10 @@ def _losses(workdir):
 
 def _restore(workdir, config, step=None):
   """The checkpointed tree of `workdir` restored onto `config`'s mesh, as numpy."""
-  dataset = data.load(config.data, config.seed)
-  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
-  rules = [tuple(r) for r in config.logical_axis_rules]
-  model = models.build(config.model, **dataset.model_fields)
-  tx, _ = optim.make_optimizer(config.train.steps, **config.optimizer)
-  example = {'inputs': jnp.zeros((1, 8, 8, 1)), 'targets': jnp.zeros((1,), jnp.int32)}
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    init, boxed = train.abstract_state(model, tx, example, jax.random.key(0))
-    shardings = sharding.logical_shardings(boxed, mesh, rules)
-    _, target = train.restore_target(init, shardings, jax.random.key(0))
+  run = train.setup(config, data.load(config.data, config.seed))
+  shardings = run.state_shardings
+  with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
+    _, target = train.restore_target(run.init, shardings, run.rng)
     manager = checkpoint.make_manager(workdir, 10, False)
     step = manager.latest_step() if step is None else step
     tree = manager.restore(step, args=checkpoint.restore_args(target))
