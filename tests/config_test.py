@@ -106,6 +106,7 @@ def test_existing_workdir_is_left_untouched_on_bad_input(tmp_path, devices):
 @pytest.mark.parametrize('flag,message', [
     ('--config.mesh.shape=(3,3)', 'zoo: error: config.mesh.shape: (3, 3) needs 9 devices but 8 are present'),
     ('--config.model.name=resnet9000', "zoo: error: config.model.name: unknown model 'resnet9000'"),
+    ('--device_memory_gib=8', 'zoo: error: --device_memory_gib goes with --dry_run'),
 ])
 def test_cli_prints_one_line_and_exits_nonzero(flag, message, tmp_path):
   workdir = tmp_path / 'run'
@@ -116,8 +117,9 @@ def test_cli_prints_one_line_and_exits_nonzero(flag, message, tmp_path):
   assert not workdir.exists()
 
 
-# every=1 checks each step before its save; with saves only at the end, log_every=100 checks
-# at the last step and log_every=5 at step 5, a step late (after step 6 is dispatched).
+# every=1 checks each step before its save; with saves only at the end, log_every=100 is
+# checked at the first eval (step 30) and log_every=5 at step 5, a step late (after step 6
+# is dispatched: the `pending` path).
 @pytest.mark.parametrize('every,log_every', [(1, 100), (1000, 100), (1000, 5)])
 def test_non_finite_loss_stops_with_the_step_and_is_never_saved(every, log_every, tmp_path,
                                                                    devices):

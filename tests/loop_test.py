@@ -1,4 +1,5 @@
 """The train loop waits on the devices only to log, evaluate or save; batches are prefetched."""
+import os
 import sys
 import threading
 
@@ -8,6 +9,7 @@ import pytest
 
 from conftest import load_config, read_metrics, trainer
 from zoo import data, train
+from zoo.errors import NonFiniteError
 
 
 def test_prefetch_yields_batches_in_order_from_another_thread():
@@ -58,8 +60,9 @@ def test_metrics_are_fetched_only_at_log_steps(tmp_path, devices, monkeypatch):
 
 
 def test_state_check_finds_a_non_finite_optimizer_state(devices):
-  """Adam's second moment can overflow while the parameters stay finite (its update is
-  then 0): the check before a save looks at everything the checkpoint holds."""
+  """Adam's moments can overflow while the parameters stay finite (with an infinite second
+  moment the update is 0): the check before a save looks at everything the checkpoint
+  holds."""
   del devices
   t = trainer('mlp_digits')
   with t.scope():
@@ -71,3 +74,29 @@ def test_state_check_finds_a_non_finite_optimizer_state(devices):
     bad = train.check_state(t.initial.replace(opt_state=jax.tree.unflatten(tree, leaves)))
   assert not bool(bad['state_finite'])
   assert float(bad['train/param_norm']) == float(good['train/param_norm'])
+
+
+def test_a_non_finite_optimizer_state_stops_the_run_before_it_is_saved(tmp_path, devices,
+                                                                      monkeypatch):
+  """The loop acts on check_state: here it reports a non-finite state from step 10 on."""
+  del devices
+  real = train.check_state
+
+  def broken_from_step_10(state):
+    checked = real(state)
+    return {**checked, 'state_finite': checked['state_finite'] & (state.step < 10)}
+  monkeypatch.setattr(train, 'check_state', broken_from_step_10)
+  config = load_config('mlp_digits', **{'train.steps': 40, 'train.log_every_steps': 5,
+                                        'eval.every_steps': 40, 'checkpoint.every_steps': 5})
+  with pytest.raises(NonFiniteError, match='non-finite optimizer or model state at step 10;'):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert sorted(int(s) for s in os.listdir(tmp_path / 'checkpoints') if s.isdigit()) == [5]
+
+
+def test_prefetch_after_close_raises_instead_of_waiting_forever():
+  batches = data.Prefetch(lambda step: step, 0, 100, depth=2)
+  batches.get(0)
+  batches.close()
+  with pytest.raises(RuntimeError, match='the prefetch thread stopped before step'):
+    for step in range(1, 100):  # What was queued before the close, then the error.
+      batches.get(step)

@@ -24,17 +24,21 @@ from zoo import data, sharding, train
 from zoo.errors import ConfigError
 
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
-_OP = re.compile(r'=\s+(.*?)\s+(' + '|'.join(COLLECTIVES) + r')(-start)?\(')
+_OP = re.compile(r'=\s+([^%"=]*?)\s+(' + '|'.join(COLLECTIVES) + r')(-start)?\(')
 _SHAPE = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
-_ITEMSIZE = {'pred': 1, 's8': 1, 'u8': 1, 'f8e4m3fn': 1, 'f8e5m2': 1, 's16': 2, 'u16': 2,
-             'f16': 2, 'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8,
-             'c64': 8, 'c128': 16}
+
+
+def _itemsize(dtype):
+  """Bytes per element of an HLO type: the first number in its name is its bits (f32,
+  bf16, s4, f8e4m3fn, c64); pred is a byte."""
+  bits = re.search(r'\d+', dtype)
+  return int(bits.group()) / 8 if bits else 1
 
 
 def _bytes(shape_text):
   """Total bytes of the arrays in an HLO shape: `f32[4,32]{1,0}` or a (nested) tuple."""
-  return sum(_ITEMSIZE.get(dtype, 4) * math.prod(int(d) for d in dims.split(',') if d)
-             for dtype, dims in _SHAPE.findall(shape_text))
+  return int(sum(_itemsize(dtype) * math.prod(int(d) for d in dims.split(',') if d)
+                 for dtype, dims in _SHAPE.findall(shape_text)))
 
 
 def _tuple_elements(shape_text):
@@ -43,8 +47,8 @@ def _tuple_elements(shape_text):
   if not text.startswith('('):
     return [text]
   elements, depth, start = [], 0, 1
-  for i, ch in enumerate(text):
-    depth += {'(': 1, ')': -1}.get(ch, 0)
+  for i, ch in enumerate(text):  # Commas inside [dims] and {layout} do not split.
+    depth += {'(': 1, '[': 1, '{': 1, ')': -1, ']': -1, '}': -1}.get(ch, 0)
     if (ch == ',' and depth == 1) or (ch == ')' and depth == 0):
       elements.append(text[start:i])
       start = i + 1
@@ -108,6 +112,7 @@ def collectives(hlo_text, mesh):
   the results' per device. An op inside a loop body (nn.scan, microbatches) is listed once."""
   rows = {}
   for line in hlo_text.splitlines():
+    line = re.sub(r'/\*.*?\*/', '', line)  # Long tuples carry /*index=5*/ comments.
     m = _OP.search(line)
     if not m:
       continue

@@ -107,7 +107,7 @@ class Prefetch:
         got, batch = self._queue.get(timeout=1.0)
         break
       except queue.Empty:
-        if not self._thread.is_alive():
+        if not self._thread.is_alive() and self._queue.empty():  # Its last put may be late.
           raise RuntimeError(f'the prefetch thread stopped before step {step}') from None
     if isinstance(batch, BaseException):
       raise batch
