@@ -61,7 +61,8 @@ def _microbatches(x, k):
 def train_step(state, batch, rng, microbatches=1):
   """One optimizer step on a global batch; returns the new state, the loss and the
   gradient norm (computed once, for the metric and for optim.clip_by_global_norm). The
-  loop adds the parameter norm, a separate program, only at steps it logs or saves.
+  loop adds the parameter norm (check_state, a separate program) only at the steps it
+  logs, evaluates or saves.
 
   Dropout keys derive from (rng, step), so a resumed run draws the same masks. With
   `microbatches` k > 1 the batch's gradient is the mean of k microbatch gradients,
