@@ -120,7 +120,7 @@ def overhead(name, mesh_shape, steps, repeats, peak):
       zoo_times.append(_timed_steps(zoo_steps, steps))
       hand_times.append(_timed_steps(hand_steps, steps))
     compiled = p_train.lower(box['zoo'], batch).compile()
-  flops = train.step_cost(config, run, compiled, dataset.task)['model_flops']
+  flops = train.step_cost(config, run, box['zoo'], compiled, dataset.task)['model_flops']
   zoo_s, hand_s = min(zoo_times), min(hand_times)
   return {'experiment': name, 'mesh': list(mesh_shape), 'zoo_step_s': zoo_s,
           'hand_step_s': hand_s, 'ratio': zoo_s / hand_s, 'model_flops': flops,

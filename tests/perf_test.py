@@ -19,7 +19,8 @@ def _one_device_cost(compiled=True, **overrides):
   with jax.set_mesh(mesh):
     abstract, _ = train.restore_target(run.init, run.state_shardings, run.rng)
     lowered = p_train.lower(abstract, run.batch)
-  return train.step_cost(config, run, lowered.compile() if compiled else lowered, dataset.task)
+  return train.step_cost(config, run, abstract, lowered.compile() if compiled else lowered,
+                         dataset.task)
 
 
 def test_lm_flops_match_the_analytic_count(devices):

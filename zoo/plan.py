@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from zoo import config as cfg
-from zoo import data, sharding, train
+from zoo import sharding, train
 from zoo.errors import ConfigError
 
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
@@ -134,13 +134,8 @@ def collectives(hlo_text, mesh):
 def make_plan(config, device_memory_gib=0.0):
   """The plan of `config` on the present devices, as a dict (see format_plan)."""
   cfg.validate(config, jax.device_count())
-  dataset = data.load(config.data, config.seed)
-  cfg.validate_with_data(config, dataset)
-  run = train.setup(config, dataset)
+  dataset, run, table = train.checked_setup(config)
   with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
-    table = sharding.param_table(run.boxed.params, run.mesh, run.rules)
-    table += sharding.param_table(run.boxed.model_state, run.mesh, run.rules)
-    cfg.validate_shardings(table, run.mesh, run.rules)
     abstract, _ = train.restore_target(run.init, run.state_shardings, run.rng)
     state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                          abstract, run.state_shardings)
@@ -174,7 +169,7 @@ def make_plan(config, device_memory_gib=0.0):
       'params': table, 'bytes_per_device': held, 'compiled_memory': memory,
       'device_memory_bytes': budget,
       'fits': None if budget is None or memory is None else memory['peak'] <= budget,
-      'step_cost': train.step_cost(config, run, compiled, dataset.task),
+      'step_cost': train.step_cost(config, run, state, compiled, dataset.task),
       'compile_s': compile_s,
       'collectives': collectives(compiled.as_text(), run.mesh),
   }

@@ -159,18 +159,31 @@ def setup(config, dataset, mesh=None):
                sharding.logical_shardings(boxed, mesh, rules), rng, batch)
 
 
+def checked_setup(config):
+  """(dataset, Setup, parameter table) of a config that cfg.validate passed; ConfigError if
+  the data or the parameter shardings do not fit it. Writes nothing."""
+  dataset = data.load(config.data, config.seed)
+  cfg.validate_with_data(config, dataset)
+  run = setup(config, dataset)
+  with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
+    table = sharding.param_table(run.boxed.params, run.mesh, run.rules)
+    table += sharding.param_table(run.boxed.model_state, run.mesh, run.rules)  # BatchNorm's.
+    cfg.validate_shardings(table, run.mesh, run.rules)
+  return dataset, run, table
+
+
 def check_state(state):
   """The parameter norm, and whether everything a checkpoint saves is finite."""
   finite = [jnp.isfinite(x).all() for x in jax.tree.leaves(checkpoint.saved_tree(state))]
   return {'train/param_norm': optax.tree.norm(state.params), 'state_finite': jnp.stack(finite).all()}
 
 
-def step_cost(config, run, compiled, task):
+def step_cost(config, run, state, compiled, task):
   """FLOPs of one train step by zoo.perf's conventions and the tokens it trains on
-  (sequence tasks), from the traced step and the `compiled` one."""
-  abstract = jax.eval_shape(lambda r: nn.meta.unbox(run.init(r)), run.rng)
+  (sequence tasks), from the step traced for `state` (arrays or their shapes) and the
+  `compiled` one."""
   with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
-    forward = perf.forward_flops(_loss, abstract.params, abstract, run.batch, run.dropout_rng)
+    forward = perf.forward_flops(_loss, state.params, state, run.batch, run.dropout_rng)
   cost = {'model_flops': 3 * forward, 'xla_flops_per_device': perf.xla_flops(compiled),
           'devices': run.mesh.size}
   if task in ('lm', 'seq2seq'):
@@ -321,21 +334,14 @@ def train_and_evaluate(config, workdir):
   """
   cfg.validate(config, jax.device_count())
   cfg.check_workdir(workdir)
-  dataset = data.load(config.data, config.seed)
-  cfg.validate_with_data(config, dataset)
+  dataset, run, table = checked_setup(config)
   task = dataset.task
-
-  run = setup(config, dataset)
   mesh, rules, model, batch_sharding = run.mesh, run.rules, run.model, run.batch_sharding
   batch_size, total_steps = config.train.batch_size, config.train.steps
   rows = data.process_rows(batch_sharding, batch_size)
   is_main = jax.process_index() == 0
 
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    table = sharding.param_table(run.boxed.params, mesh, rules)
-    table += sharding.param_table(run.boxed.model_state, mesh, rules)  # BatchNorm statistics.
-    cfg.validate_shardings(table, mesh, rules)
-
     state, manager = initial_state(config, workdir, run.init, run.state_shardings, run.rng)
     # From here on the workdir is written.
     start_step = int(state.step)
@@ -354,7 +360,7 @@ def train_and_evaluate(config, workdir):
     p_train = p_train.lower(state, run.batch).compile()
     logging.info('compiled the train step in %.1f s', time.perf_counter() - t0)
     p_check = jax.jit(check_state, in_shardings=(run.state_shardings,)).lower(state).compile()
-    cost = step_cost(config, run, p_train, task)
+    cost = step_cost(config, run, state, p_train, task)
     cost['peak_flops_per_device'], cost['peak_source'] = perf.peak_flops(
         config.perf.peak_flops_per_device)
     logging.info('%s', format_cost(cost))
