@@ -56,6 +56,9 @@ BAD_INPUTS = {
     'vit patch does not divide': ({'model.patch_size': 3}, r'config\.model\.patch_size: 3 does not divide the 8x8 images', 'vit_digits'),
     'profile steps reversed': ({'profile.steps': (4, 2)}, r'config\.profile\.steps: \(4, 2\) must be \(\) or \(a, b\)'),
     'unknown vit pool': ({'model.pool': 'max'}, r"config\.model\.pool: unknown pool 'max'; known: cls, mean", 'vit_digits'),
+    'negative prefetch': ({'data.prefetch': -1}, r'config\.data\.prefetch: must be >= 0 \(0: no prefetching\), got -1'),
+    'negative peak': ({'perf.peak_flops_per_device': -1.0},
+                      r'config\.perf\.peak_flops_per_device: must be >= 0 \(0: look it up or measure it\), got -1\.0'),
     'init_from missing': ({'checkpoint.init_from': '/nonexistent/run'},
                           r'config\.checkpoint\.init_from: /nonexistent/run is not a directory'),
 }
