@@ -26,12 +26,11 @@ os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), '..'))
 
-import flax.linen as nn  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import orbax.checkpoint as ocp  # pylint: disable=wrong-import-position
 
-from zoo import checkpoint, data, train  # pylint: disable=wrong-import-position
+from zoo import checkpoint, data, setup  # pylint: disable=wrong-import-position
 from zoo.config import load_experiment  # pylint: disable=wrong-import-position
 
 EXPERIMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'experiments')
@@ -55,12 +54,12 @@ STATES = {'100MB lm': _lm_100mb, 'char_lm': lambda: _experiment('char_lm'),
 def build(config, mesh_shape, materialise=True):
   """(state tree to save, abstract restore target, bytes) on a mesh of shape `mesh_shape`."""
   config.mesh.shape = mesh_shape
-  run = train.setup(config, data.load(config.data, config.seed))
-  with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
-    _, target = train.restore_target(run.init, run.state_shardings, run.rng)
+  s = setup.build(config, data.load(config.data, config.seed))
+  with s.scope():
+    target = checkpoint.saved_tree(s.abstract_state())
     tree = None
     if materialise:
-      tree = checkpoint.saved_tree(train.create_train_state(run.init, run.rng, run.state_shardings))
+      tree = checkpoint.saved_tree(s.create_state())
       jax.block_until_ready(tree)
   size = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(target))
   return tree, target, size

@@ -20,9 +20,8 @@ def main():
   args = parser.parse_args()
   os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={args.devices}'
   os.environ['JAX_PLATFORMS'] = 'cpu'
-  import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
-  from zoo import data, sharding, train  # pylint: disable=import-outside-toplevel
+  from zoo import checkpoint, data, setup, sharding  # pylint: disable=import-outside-toplevel
   from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
 
   config = load_experiment(os.path.join(REPO, 'experiments', f'{args.experiment}.py'))
@@ -33,10 +32,10 @@ def main():
     mesh = sharding.make_mesh(shape, config.mesh.axes)
     for preset, rules in (('standard', sharding.standard_rules()), ('fsdp', sharding.fsdp_rules())):
       config.logical_axis_rules = rules
-      run = train.setup(config, dataset, mesh)
-      with jax.set_mesh(mesh), nn.logical_axis_rules(run.rules):
+      s = setup.build(config, dataset, mesh)
+      with s.scope():
         # Shapes carrying the shardings: what a restore would read into.
-        _, target = train.restore_target(run.init, run.state_shardings, run.rng)
+        target = checkpoint.saved_tree(s.abstract_state())
       params, opt = target['params'], target['opt_state']
       total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((params, opt)))
       rows.append({'mesh': list(shape), 'rules': preset, 'total_bytes': total,

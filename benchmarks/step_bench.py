@@ -44,13 +44,13 @@ for _var in ('JAX_COMPILATION_CACHE_DIR',):  # Compile times must be real.
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..')
 sys.path.insert(0, ROOT)
 
-import flax.linen as nn  # pylint: disable=wrong-import-position
 import jax  # pylint: disable=wrong-import-position
 import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import optax  # pylint: disable=wrong-import-position
 
-from zoo import data, perf, train  # pylint: disable=wrong-import-position
+from zoo import data, perf, setup, steps  # pylint: disable=wrong-import-position
+from zoo.data import feed  # pylint: disable=wrong-import-position
 from zoo.config import load_experiment  # pylint: disable=wrong-import-position
 
 EXPERIMENTS = os.path.join(ROOT, 'experiments')
@@ -79,25 +79,24 @@ def hand_written_step(model, tx):
   return step
 
 
-def _timed_steps(run_steps, steps):
+def _timed_steps(run_steps, count):
   t0 = time.perf_counter()
-  jax.block_until_ready(run_steps(steps))
-  return (time.perf_counter() - t0) / steps
+  jax.block_until_ready(run_steps(count))
+  return (time.perf_counter() - t0) / count
 
 
-def overhead(name, mesh_shape, steps, repeats, peak):
+def overhead(name, mesh_shape, block_steps, repeats, peak):
   config = _config(name)
   config.mesh.shape = mesh_shape
   dataset = data.load(config.data, config.seed)
-  run = train.setup(config, dataset)
-  size = config.train.batch_size
-  with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
-    batch = data.to_global(dataset.train_batch(0, size, slice(None)), run.batch_sharding, size)
-    zoo_state = train.create_train_state(run.init, run.rng, run.state_shardings)
-    p_train, _ = train.jit_steps(run.state_shardings, run.batch_sharding, run.dropout_rng)
-    shardings = run.state_shardings
-    hand = jax.jit(hand_written_step(run.model, run.tx),
-                   in_shardings=(shardings.params, shardings.opt_state, run.batch_sharding),
+  s = setup.build(config, dataset)
+  with s.scope():
+    batch = feed.train_batches(dataset, s.batch_sharding, config.train.batch_size)(0)
+    zoo_state = s.create_state()
+    train_step = steps.jit_train_step(s)
+    shardings = s.state_shardings
+    hand = jax.jit(hand_written_step(s.model, s.optimizer),
+                   in_shardings=(shardings.params, shardings.opt_state, s.batch_sharding),
                    out_shardings=(shardings.params, shardings.opt_state, None),
                    donate_argnums=(0, 1))
     hand_state = [jax.tree.map(jnp.copy, zoo_state.params), jax.tree.map(jnp.copy, zoo_state.opt_state)]
@@ -105,7 +104,7 @@ def overhead(name, mesh_shape, steps, repeats, peak):
 
     def zoo_steps(n):
       for _ in range(n):
-        box['zoo'], metrics = p_train(box['zoo'], batch)
+        box['zoo'], metrics = train_step(box['zoo'], batch)
       return metrics
 
     def hand_steps(n):
@@ -117,27 +116,26 @@ def overhead(name, mesh_shape, steps, repeats, peak):
     hand_steps(3)  # Compiled and warm.
     zoo_times, hand_times = [], []
     for _ in range(repeats):
-      zoo_times.append(_timed_steps(zoo_steps, steps))
-      hand_times.append(_timed_steps(hand_steps, steps))
-    compiled = p_train.lower(box['zoo'], batch).compile()
-  flops = train.step_cost(config, run, box['zoo'], compiled, dataset.task)['model_flops']
+      zoo_times.append(_timed_steps(zoo_steps, block_steps))
+      hand_times.append(_timed_steps(hand_steps, block_steps))
+    compiled = train_step.lower(box['zoo'], batch).compile()
+  flops = perf.step_cost(s, box['zoo'], compiled)['model_flops']
   zoo_s, hand_s = min(zoo_times), min(hand_times)
   return {'experiment': name, 'mesh': list(mesh_shape), 'zoo_step_s': zoo_s,
           'hand_step_s': hand_s, 'ratio': zoo_s / hand_s, 'model_flops': flops,
           'zoo_median_s': float(np.median(zoo_times)), 'hand_median_s': float(np.median(hand_times)),
-          'mfu': perf.mfu(flops, zoo_s, run.mesh.size, peak)}
+          'mfu': perf.mfu(flops, zoo_s, s.mesh.size, peak)}
 
 
 def compile_time(layers, scan):
   config = _config('char_lm', num_layers=layers, scan_layers=scan)
   config.mesh.shape = (4, 2)
   dataset = data.load(config.data, config.seed)
-  run = train.setup(config, dataset)
-  with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
-    abstract, _ = train.restore_target(run.init, run.state_shardings, run.rng)
-    p_train, _ = train.jit_steps(run.state_shardings, run.batch_sharding, run.dropout_rng)
+  s = setup.build(config, dataset)
+  with s.scope():
+    abstract = s.abstract_state()
     t0 = time.perf_counter()
-    lowered = p_train.lower(abstract, run.batch)
+    lowered = steps.jit_train_step(s).lower(abstract, s.batch)
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()

@@ -3,7 +3,7 @@ import jax
 import numpy as np
 
 from conftest import trainer
-from zoo import checkpoint, train
+from zoo import checkpoint
 
 
 def _stats(t):
@@ -37,7 +37,7 @@ def test_statistics_are_checkpointed_and_restore_onto_another_mesh(tmp_path, dev
   manager.save(3, args=checkpoint.save_args(checkpoint.saved_tree(source.state)))
   manager.wait_until_finished()
   with dest.scope():
-    _, target = train.restore_target(dest.init, dest.shardings, jax.random.key(0))
+    target = checkpoint.saved_tree(dest.setup.abstract_state())
     restored, step = checkpoint.restore_latest(manager, target, fallback=False)
   manager.close()
   assert step == 3 and 'model_state' in restored

@@ -4,13 +4,12 @@ import os
 import re
 import shutil
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
 from conftest import experiment, load_config, read_metrics, run_cli
-from zoo import checkpoint, data, train
+from zoo import checkpoint, data, setup, train
 from zoo.errors import CheckpointError
 
 N = 6  # Steps before the stop; the runs go to 2N.
@@ -28,10 +27,10 @@ def _losses(workdir):
 
 def _restore(workdir, config, step=None):
   """The checkpointed tree of `workdir` restored onto `config`'s mesh, as numpy."""
-  run = train.setup(config, data.load(config.data, config.seed))
-  shardings = run.state_shardings
-  with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
-    _, target = train.restore_target(run.init, shardings, run.rng)
+  s = setup.build(config, data.load(config.data, config.seed))
+  shardings = s.state_shardings
+  with s.scope():
+    target = checkpoint.saved_tree(s.abstract_state())
     manager = checkpoint.make_manager(workdir, 10, False)
     step = manager.latest_step() if step is None else step
     tree = manager.restore(step, args=checkpoint.restore_args(target))

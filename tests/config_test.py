@@ -7,7 +7,6 @@ import pytest
 from conftest import experiment, load_config, run_cli
 from zoo import train
 from zoo import sharding
-from zoo.config import batch_mesh_axes
 from zoo.errors import ConfigError, NonFiniteError, ZooError
 
 BAD_INPUTS = {
@@ -86,7 +85,7 @@ def test_text_too_short_for_seq_len(tmp_path, devices):
 def test_batch_axes_follow_flax_first_matching_rule():
   config = load_config('mlp_digits', **{
       'logical_axis_rules': sharding.standard_rules() + [('act_batch', 'model')]})
-  assert batch_mesh_axes(config) == ('batch',)
+  assert sharding.batch_mesh_axes(config.logical_axis_rules) == ('batch',)
 
 
 def test_unwritable_workdir(tmp_path, devices):

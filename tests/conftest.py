@@ -73,36 +73,31 @@ def trainer(experiment, **overrides):
 
 
 class Trainer:
-  """An experiment's model, state and jitted steps on its mesh, in process, for numerics tests."""
+  """An experiment's Setup, state and jitted steps on its mesh, in process, for numerics tests."""
 
   def __init__(self, config):
-    from zoo import config as cfg, data, train  # pylint: disable=import-outside-toplevel
-    import flax.linen as nn  # pylint: disable=import-outside-toplevel
+    from zoo import config as cfg, data, setup, steps  # pylint: disable=import-outside-toplevel
+    from zoo.data import feed  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     cfg.validate(config, jax.device_count())  # No test runs a config that a user could not.
-    self.config, self.jax, self.nn, self.train, self.data = config, jax, nn, train, data
+    self.config, self.jax = config, jax
     self.dataset = data.load(config.data, config.seed)
-    run = train.setup(config, self.dataset)  # What train.train_and_evaluate builds.
-    self.mesh, self.rules, self.model = run.mesh, run.rules, run.model
-    self.batch_sharding, self.init, self.boxed = run.batch_sharding, run.init, run.boxed
-    self.shardings = run.state_shardings
+    self.setup = setup.build(config, self.dataset)  # What train.train_and_evaluate builds.
+    self.mesh, self.rules, self.model = self.setup.mesh, self.setup.rules, self.setup.model
+    self.shardings = self.setup.state_shardings
+    self.train_batch = feed.train_batches(self.dataset, self.setup.batch_sharding,
+                                          config.train.batch_size)
     with self.scope():
-      self.initial = train.create_train_state(self.init, run.rng, self.shardings)
+      self.initial = self.setup.create_state()
       self.state = self.initial
-      self.p_train, self.p_eval = train.jit_steps(
-          self.shardings, self.batch_sharding, run.dropout_rng, config.train.microbatches)
+      self.train_step = steps.jit_train_step(self.setup)
+      self.eval_step = steps.jit_eval_step(self.setup)
 
   def scope(self):
-    import contextlib  # pylint: disable=import-outside-toplevel
-    stack = contextlib.ExitStack()
-    stack.enter_context(self.jax.set_mesh(self.mesh))
-    stack.enter_context(self.nn.logical_axis_rules(self.rules))
-    return stack
+    return self.setup.scope()
 
   def batch(self, step):
-    size = self.config.train.batch_size
-    return self.data.to_global(self.dataset.train_batch(step, size, slice(None)),
-                               self.batch_sharding, size)
+    return self.train_batch(step)
 
   def run(self, steps):
     """Trains `steps` steps from the initial state into `self.state`; returns the losses."""
@@ -110,6 +105,6 @@ class Trainer:
     with self.scope():
       self.state = self.jax.tree.map(lambda x: x.copy(), self.initial)  # The step donates it.
       for step in range(steps):
-        self.state, metrics = self.p_train(self.state, self.batch(step))
+        self.state, metrics = self.train_step(self.state, self.batch(step))
         losses.append(float(metrics['train/loss']))
     return losses

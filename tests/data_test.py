@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from zoo import data
+from zoo.data import dataset
 
 
 def _load(name):
@@ -32,15 +33,15 @@ def test_row_slices_concatenate_to_the_global_batch(name):
 
 def test_epochs_visit_every_example_once():
   n, batch = 1437, 128
-  seen = np.concatenate([data.epoch_order(0, n, step, batch) for step in range(n // batch)])
+  seen = np.concatenate([dataset.epoch_order(0, n, step, batch) for step in range(n // batch)])
   assert len(np.unique(seen)) == len(seen) == (n // batch) * batch
-  next_epoch = data.epoch_order(0, n, n // batch, batch)
+  next_epoch = dataset.epoch_order(0, n, n // batch, batch)
   assert not np.array_equal(next_epoch, seen[:batch])
 
 
 def test_eval_batches_pad_and_count_each_example_once():
   x = np.arange(10)
-  batches = list(data.padded_batches({'inputs': x}, 4, slice(None)))
+  batches = list(dataset.padded_batches({'inputs': x}, 4, slice(None)))
   assert len(batches) == 3
   weights = np.concatenate([b['weights'] for b in batches])
   inputs = np.concatenate([b['inputs'] for b in batches])

@@ -1,6 +1,5 @@
 """The train loop waits on the devices only to log, evaluate or save; batches are prefetched."""
 import os
-import sys
 import threading
 
 import jax
@@ -8,7 +7,8 @@ import numpy as np
 import pytest
 
 from conftest import load_config, read_metrics, trainer
-from zoo import data, train
+from zoo import steps, train
+from zoo.data import feed
 from zoo.errors import NonFiniteError
 
 
@@ -18,11 +18,11 @@ def test_prefetch_yields_batches_in_order_from_another_thread():
   def make(step):
     threads.append(threading.current_thread().name)
     return {'x': np.full((2,), step)}
-  batches = data.Prefetch(make, 3, 9, depth=2)
+  batches = feed.Prefetch(make, 3, 9, depth=2)
   assert [int(batches.get(s)['x'][0]) for s in range(3, 9)] == list(range(3, 9))
   batches.close()
   assert set(threads) == {'zoo-prefetch'}
-  inline = data.Prefetch(make, 0, 2, depth=0)
+  inline = feed.Prefetch(make, 0, 2, depth=0)
   assert int(inline.get(1)['x'][0]) == 1 and threads[-1] == threading.current_thread().name
 
 
@@ -31,11 +31,11 @@ def test_prefetch_reraises_the_threads_error_and_close_stops_it():
     if step == 2:
       raise ValueError('bad file at step 2')
     return step
-  batches = data.Prefetch(make, 0, 5, depth=3)
+  batches = feed.Prefetch(make, 0, 5, depth=3)
   assert [batches.get(0), batches.get(1)] == [0, 1]
   with pytest.raises(ValueError, match='bad file at step 2'):
     batches.get(2)
-  endless = data.Prefetch(lambda step: step, 0, 10**9, depth=2)
+  endless = feed.Prefetch(lambda step: step, 0, 10**9, depth=2)
   endless.get(0)
   endless.close()
   assert not endless._thread.is_alive()  # pylint: disable=protected-access
@@ -45,13 +45,12 @@ def test_metrics_are_fetched_only_at_log_steps(tmp_path, devices, monkeypatch):
   """40 steps, logging every 10: the loop fetches 4 steps' metrics, not 40."""
   del devices
   fetched = []
-  original = jax.device_get
+  original = train.fetch
 
-  def counting_device_get(x):
-    if sys._getframe(1).f_code.co_name == 'report':  # pylint: disable=protected-access
-      fetched.append(x)
+  def counting_fetch(x):
+    fetched.append(x)
     return original(x)
-  monkeypatch.setattr(jax, 'device_get', counting_device_get)
+  monkeypatch.setattr(train, 'fetch', counting_fetch)
   config = load_config('mlp_digits', **{'train.steps': 40, 'train.log_every_steps': 10,
                                         'eval.every_steps': 40, 'checkpoint.every_steps': 40})
   train.train_and_evaluate(config, str(tmp_path))
@@ -66,12 +65,12 @@ def test_state_check_finds_a_non_finite_optimizer_state(devices):
   del devices
   t = trainer('mlp_digits')
   with t.scope():
-    good = train.check_state(t.initial)
+    good = steps.check_state(t.initial)
     assert bool(good['state_finite']) and np.isfinite(float(good['train/param_norm']))
     leaves, tree = jax.tree.flatten(t.initial.opt_state)
     index = max(range(len(leaves)), key=lambda i: leaves[i].size)  # A moment, not the count.
     leaves[index] = leaves[index].at[(0,) * leaves[index].ndim].set(np.inf)
-    bad = train.check_state(t.initial.replace(opt_state=jax.tree.unflatten(tree, leaves)))
+    bad = steps.check_state(t.initial.replace(opt_state=jax.tree.unflatten(tree, leaves)))
   assert not bool(bad['state_finite'])
   assert float(bad['train/param_norm']) == float(good['train/param_norm'])
 
@@ -80,12 +79,12 @@ def test_a_non_finite_optimizer_state_stops_the_run_before_it_is_saved(tmp_path,
                                                                       monkeypatch):
   """The loop acts on check_state: here it reports a non-finite state from step 10 on."""
   del devices
-  real = train.check_state
+  real = steps.check_state
 
   def broken_from_step_10(state):
     checked = real(state)
     return {**checked, 'state_finite': checked['state_finite'] & (state.step < 10)}
-  monkeypatch.setattr(train, 'check_state', broken_from_step_10)
+  monkeypatch.setattr(steps, 'check_state', broken_from_step_10)
   config = load_config('mlp_digits', **{'train.steps': 40, 'train.log_every_steps': 5,
                                         'eval.every_steps': 40, 'checkpoint.every_steps': 5})
   with pytest.raises(NonFiniteError, match='non-finite optimizer or model state at step 10;'):
@@ -94,7 +93,7 @@ def test_a_non_finite_optimizer_state_stops_the_run_before_it_is_saved(tmp_path,
 
 
 def test_prefetch_after_close_raises_instead_of_waiting_forever():
-  batches = data.Prefetch(lambda step: step, 0, 100, depth=2)
+  batches = feed.Prefetch(lambda step: step, 0, 100, depth=2)
   batches.get(0)
   batches.close()
   with pytest.raises(RuntimeError, match='the prefetch thread stopped before step'):

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import load_config
-from zoo import data, perf, sharding, train
+from zoo import data, perf, setup, sharding, steps
 
 
 def _one_device_cost(compiled=True, **overrides):
@@ -13,14 +13,11 @@ def _one_device_cost(compiled=True, **overrides):
   config = load_config('char_lm', **{'mesh.shape': (1, 1), **overrides})
   dataset = data.load(config.data, config.seed)
   mesh = sharding.make_mesh((1, 1), config.mesh.axes, devices=jax.devices()[:1])
-  run = train.setup(config, dataset, mesh=mesh)
-  p_train, _ = train.jit_steps(run.state_shardings, run.batch_sharding, run.dropout_rng,
-                               config.train.microbatches)
-  with jax.set_mesh(mesh):
-    abstract, _ = train.restore_target(run.init, run.state_shardings, run.rng)
-    lowered = p_train.lower(abstract, run.batch)
-  return train.step_cost(config, run, abstract, lowered.compile() if compiled else lowered,
-                         dataset.task)
+  s = setup.build(config, dataset, mesh=mesh)
+  with s.scope():
+    abstract = s.abstract_state()
+    lowered = steps.jit_train_step(s).lower(abstract, s.batch)
+  return perf.step_cost(s, abstract, lowered.compile() if compiled else lowered)
 
 
 def test_lm_flops_match_the_analytic_count(devices):

@@ -18,7 +18,7 @@ def test_plan_matches_the_compiled_step_and_the_real_state(name, devices):
   p = plan.make_plan(load_config(name, **overrides))
   t = trainer(name, **overrides)  # The real state and step of the same config.
   with t.scope():
-    memory = t.p_train.lower(t.state, t.batch(0)).compile().memory_analysis()
+    memory = t.train_step.lower(t.state, t.batch(0)).compile().memory_analysis()
   assert p['compiled_memory'] == {
       'arguments': memory.argument_size_in_bytes, 'outputs': memory.output_size_in_bytes,
       'aliased': memory.alias_size_in_bytes, 'temporaries': memory.temp_size_in_bytes,

@@ -3,13 +3,12 @@ import json
 import os
 import re
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import pytest
 
 from conftest import load_config
-from zoo import data, models, optim, sharding, train
+from zoo import data, setup, sharding, steps
+from zoo.data import feed
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), 'golden')
 # Regenerate with ZOO_UPDATE_GOLDEN=1 pytest tests/sharding_test.py, only after a deliberate
@@ -28,29 +27,18 @@ MODELS = {
 
 
 def _setup(model_name, mesh_shape=(4, 2)):
+  """The experiment's Setup (what the trainer builds) and its first global train batch."""
   experiment, overrides = MODELS[model_name]
   config = load_config(experiment, **{'mesh.shape': mesh_shape, **overrides})
   dataset = data.load(config.data, config.seed)
-  mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes)
-  rules = [tuple(r) for r in config.logical_axis_rules]
-  model = models.build(config.model, **dataset.model_fields)
-  tx, _ = optim.make_optimizer(config.train.steps, **config.optimizer)
-  batch = dataset.train_batch(0, config.train.batch_size, slice(None))
-  return config, mesh, rules, model, tx, batch
-
-
-def _first_row(batch):
-  return jax.tree.map(lambda x: jnp.asarray(x[:1]), batch)
+  return setup.build(config, dataset), dataset.train_batch(0, config.train.batch_size, slice(None))
 
 
 @pytest.mark.parametrize('model_name', sorted(MODELS))
 def test_golden_param_table(model_name, devices):
   del devices
-  _, mesh, rules, model, tx, batch = _setup(model_name)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    _, boxed = train.abstract_state(model, tx, _first_row(batch), jax.random.key(0))
-  rows = sharding.param_table(boxed.params, mesh, rules)
-  rows += sharding.param_table(boxed.model_state, mesh, rules)  # BatchNorm statistics.
+  s, _ = _setup(model_name)
+  rows = s.param_table()  # Parameters, then BatchNorm statistics.
   table = {r['path']: {k: r[k] for k in ('shape', 'logical_axes', 'partition_spec', 'shard_shape')}
            for r in rows}
   path = os.path.join(GOLDEN_DIR, f'{model_name}.json')
@@ -68,17 +56,15 @@ def test_golden_param_table(model_name, devices):
 @pytest.mark.parametrize('model_name', sorted(MODELS))
 def test_state_is_created_in_its_shards(model_name, devices):
   del devices
-  _, mesh, rules, model, tx, batch = _setup(model_name)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    init, boxed = train.abstract_state(model, tx, _first_row(batch), jax.random.key(0))
-    shardings = sharding.logical_shardings(boxed, mesh, rules)
-    state = train.create_train_state(init, jax.random.key(0), shardings)
-  rows = {r['path']: r for r in sharding.param_table(boxed.params, mesh, rules)}
+  s, _ = _setup(model_name)
+  with s.scope():
+    state = s.create_state()
+  rows = {r['path']: r for r in sharding.param_table(s.logical_state.params, s.mesh, s.rules)}
   flat = jax.tree_util.tree_flatten_with_path(state.params)[0]
   for key_path, value in flat:
     row = rows['/'.join(k.key for k in key_path)]
     assert value.sharding.spec == jax.sharding.PartitionSpec(*row['partition_spec'])
-    assert {s.data.shape for s in value.addressable_shards} == {tuple(row['shard_shape'])}
+    assert {shard.data.shape for shard in value.addressable_shards} == {tuple(row['shard_shape'])}
   # Adam's moments are sharded like the parameters they follow.
   mu = state.opt_state[1][0].mu if isinstance(state.opt_state, tuple) else None
   assert mu is not None
@@ -100,21 +86,17 @@ def test_state_is_created_in_its_shards(model_name, devices):
                                                  ('encoder_decoder', 38)])
 def test_train_step_keeps_activation_constraints(model_name, expected, devices):
   """Constraints silently vanish when traced without mesh + rules: count them."""
-  config, mesh, rules, model, tx, batch = _setup(model_name)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    init, boxed = train.abstract_state(model, tx, _first_row(batch), jax.random.key(0))
-    state_shardings = sharding.logical_shardings(boxed, mesh, rules)
-    state, _ = train.restore_target(init, state_shardings, jax.random.key(0))  # Abstract: lowered only.
-    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('batch'))
-    global_batch = data.to_global(batch, batch_sharding, config.train.batch_size)
-    p_train, _ = train.jit_steps(state_shardings, batch_sharding, jax.random.key(1))
-    text = p_train.lower(state, global_batch).as_text()
+  s, batch = _setup(model_name)
+  with s.scope():
+    state = s.abstract_state()  # Abstract: lowered only.
+    global_batch = feed.to_global(batch, s.batch_sharding, s.config.train.batch_size)
+    text = steps.jit_train_step(s).lower(state, global_batch).as_text()
   constraints = re.findall(r'sharding_constraint', text)
   # Forward constraints, plus their transposes in the backward pass.
   assert len(constraints) == expected, f'{len(constraints)} sharding constraints, expected {expected}'
-  with jax.set_mesh(mesh):  # Without the rules, every logical constraint is dropped.
+  with jax.set_mesh(s.mesh):  # Without the rules, every logical constraint is dropped.
     # A fresh function: jit would otherwise reuse the trace made under the rules.
-    bare = jax.jit(lambda s, b: train.train_step(s, b, jax.random.key(1))).lower(
+    bare = jax.jit(lambda st, b: steps.train_step(st, b, jax.random.key(1), s.task)).lower(
         state, global_batch).as_text()
   assert 'sharding_constraint' not in bare
 

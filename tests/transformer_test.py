@@ -121,7 +121,7 @@ def test_dropout_is_keyed_by_step_and_the_same_on_every_mesh(devices):
     state = jax.tree.map(lambda x: x.copy(), t.initial)
     state = state.replace(step=state.step + step)  # Same dtype and sharding: no recompile.
     with t.scope():
-      return float(t.p_train(state, t.batch(0))[1]['train/loss'])
+      return float(t.train_step(state, t.batch(0))[1]['train/loss'])
   assert first_loss(0) == runs[(4, 2)][0]  # Same step, same masks: a resumed run repeats them.
   assert first_loss(5) != first_loss(0)    # Another step draws other masks.
 

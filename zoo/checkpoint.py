@@ -9,6 +9,7 @@ shardings, so a checkpoint written on one mesh restores onto any other.
 import os
 import signal
 import threading
+from typing import TYPE_CHECKING, Any, Optional
 
 from absl import logging
 import jax
@@ -18,6 +19,9 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
 from zoo.errors import CheckpointError
+
+if TYPE_CHECKING:
+  from zoo.setup import Setup
 
 
 def _key_name(key):
@@ -33,7 +37,7 @@ def _shapes(tree):
   return {'.'.join(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in flat}
 
 
-def saved_tree(state):
+def saved_tree(state: Any) -> dict:
   """The part of a TrainState that is checkpointed (the rest is code: apply_fn, tx).
 
   A model's mutable collections (BatchNorm statistics) are saved as `model_state`.
@@ -44,17 +48,11 @@ def saved_tree(state):
   return tree
 
 
-def abstract_target(tree, shardings):
-  """ShapeDtypeStructs carrying the current shardings: what restore reads into."""
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      tree, shardings)
-
-
-def save_args(tree):
+def save_args(tree: dict) -> ocp.args.PyTreeSave:
   return ocp.args.PyTreeSave(tree)
 
 
-def restore_args(target):
+def restore_args(target: dict) -> ocp.args.PyTreeRestore:
   """Restore into `target`'s shapes, dtypes and shardings, whatever mesh saved it."""
   return ocp.args.PyTreeRestore(
       item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target))
@@ -66,11 +64,11 @@ def _handler(replica_parallel=False):
   return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
-def directory_of(workdir):
+def directory_of(workdir: str) -> str:
   return os.path.abspath(os.path.join(workdir, 'checkpoints'))
 
 
-def exists_on_process_0(workdir):
+def exists_on_process_0(workdir: str) -> bool:
   """Whether workdir/checkpoints exists, as process 0 sees it: one answer for every host."""
   exists = os.path.isdir(directory_of(workdir))
   if jax.process_count() == 1:
@@ -78,7 +76,8 @@ def exists_on_process_0(workdir):
   return bool(multihost_utils.broadcast_one_to_all(np.array(exists)))
 
 
-def make_manager(workdir, keep, use_async, replica_parallel=False):
+def make_manager(workdir: str, keep: int, use_async: bool,
+                 replica_parallel: bool = False) -> ocp.CheckpointManager:
   """A manager for `workdir/checkpoints`; incomplete (killed) saves are cleaned up."""
   options = ocp.CheckpointManagerOptions(
       preservation_policy=ocp.checkpoint_managers.LatestN(keep),
@@ -95,8 +94,10 @@ def _mismatches(saved, wanted, only_wanted=False):
               for p in params_first(saved.keys() & wanted.keys()) if saved[p] != wanted[p]]
   if not only_wanted:
     problems += [f'{p}: only in the checkpoint' for p in params_first(saved.keys() - wanted.keys())]
-  problems += [f'{p}: missing from the checkpoint' for p in params_first(wanted.keys() - saved.keys())]
-  shown = '; '.join(problems[:12]) + (f'; and {len(problems) - 12} more' if len(problems) > 12 else '')
+  problems += [f'{p}: missing from the checkpoint'
+               for p in params_first(wanted.keys() - saved.keys())]
+  more = f'; and {len(problems) - 12} more' if len(problems) > 12 else ''
+  shown = '; '.join(problems[:12]) + more
   return len(problems), shown
 
 
@@ -112,7 +113,8 @@ def _one_line(error):
   return f'{type(error).__name__}: {text[0] if text else ""}'[:300]
 
 
-def restore_latest(manager, target, fallback):
+def restore_latest(manager: ocp.CheckpointManager, target: dict,
+                   fallback: bool) -> tuple[Optional[dict], Optional[int]]:
   """Restores the newest complete step into `target`; returns (tree, step) or (None, None).
 
   A checkpoint that does not fit `target` raises CheckpointError listing the paths. A
@@ -166,7 +168,8 @@ def _move_aside(manager, step):
   manager.reload()
 
 
-def restore_params(path, params_target, field='config.checkpoint.init_from'):
+def restore_params(path: str, params_target: Any,
+                   field: str = 'config.checkpoint.init_from') -> tuple[Any, int, str]:
   """Params only, from another run's workdir or checkpoint directory (its latest step)."""
   directory = os.path.abspath(path)
   if os.path.isdir(os.path.join(directory, 'checkpoints')):
@@ -180,7 +183,8 @@ def restore_params(path, params_target, field='config.checkpoint.init_from'):
     if step is None:
       raise CheckpointError(f'{field}: no complete checkpoint in {directory}')
     target = {'params': params_target}
-    count, shown = _mismatches(_shapes(source.item_metadata(step)), _shapes(target), only_wanted=True)
+    count, shown = _mismatches(_shapes(source.item_metadata(step)), _shapes(target),
+                               only_wanted=True)
     if count:
       raise CheckpointError(f'{field}: step {step} in {directory} does not '
                             f'match the configured model: {shown}')
@@ -188,6 +192,32 @@ def restore_params(path, params_target, field='config.checkpoint.init_from'):
         item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
         partial_restore=True))
   return restored['params'], step, directory
+
+
+def restore_or_init(setup: 'Setup', workdir: str) -> tuple[Any, ocp.CheckpointManager]:
+  """The run's first state: the newest checkpoint in the workdir, else a fresh state (with
+  `checkpoint.init_from`'s params, if set). Returns (state, checkpoint manager).
+
+  Restores read straight into the Setup's shardings, whatever mesh wrote the checkpoint.
+  A checkpoint (or init_from) that does not fit fails before anything is written.
+  """
+  abstract = setup.abstract_state()
+  target = saved_tree(abstract)
+  c = setup.config.checkpoint
+  new_manager = lambda: make_manager(workdir, c.keep, c.async_save, c.replica_parallel)
+  manager = None
+  if exists_on_process_0(workdir):
+    manager = new_manager()
+    restored, step = restore_latest(manager, target, c.fallback)
+    if restored is not None:
+      logging.info('resuming from step %d of %s', step, manager.directory)
+      return abstract.replace(**restored), manager
+  state = setup.create_state()
+  if c.init_from:
+    params, step, source = restore_params(c.init_from, target['params'])
+    logging.info('initialised params from step %d of %s (optimizer state fresh)', step, source)
+    state = state.replace(params=params)
+  return state, manager or new_manager()
 
 
 class StopRequest:
@@ -211,7 +241,7 @@ class StopRequest:
   def __call__(self, step):
     return self._received or self._manager.reached_preemption(step)
 
-  def close(self):
+  def close(self) -> None:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
       self._previous = None

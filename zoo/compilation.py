@@ -20,14 +20,14 @@ def _count(event, **_):
 jax.monitoring.register_event_listener(_count)
 
 
-def enable_cache(directory):
+def enable_cache(directory: str) -> None:
   """Caches every compiled program in `directory` (call before anything compiles)."""
   jax.config.update('jax_compilation_cache_dir', os.path.abspath(directory))
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)  # Small steps too.
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 
 
-def summary():
+def summary() -> str:
   """'N programs loaded from the cache, M compiled', or '' if no cache was used."""
   if not _COUNTS:
     return ''

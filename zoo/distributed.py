@@ -3,13 +3,15 @@
 Must run before any other JAX work. Every process then runs the same program on the
 same global mesh; see README "Several processes".
 """
+from typing import Optional
+
 from absl import logging
 import jax
 
 from zoo.errors import ConfigError
 
 
-def detected_cluster():
+def detected_cluster() -> Optional[str]:
   """The multi-process cluster JAX's own detection would join (SLURM, Open MPI, TPU pod...).
 
   None where there is none, or it has a single process (an interactive `srun`, one TPU
@@ -26,8 +28,9 @@ def detected_cluster():
   return None
 
 
-def initialize(coordinator_address=None, num_processes=None, process_id=None, cpu_devices=None,
-               initialization_timeout=300, heartbeat_timeout=60):
+def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
+               process_id: Optional[int] = None, cpu_devices: Optional[int] = None,
+               initialization_timeout: int = 300, heartbeat_timeout: int = 60) -> None:
   """Sets up devices and, if this is a multi-process job, jax.distributed.
 
   A peer that does not arrive within `initialization_timeout` seconds, or stops sending
@@ -44,7 +47,8 @@ def initialize(coordinator_address=None, num_processes=None, process_id=None, cp
       raise ConfigError('--coordinator_address, --num_processes and --process_id go together; '
                         'give all three (or none, to auto-detect a cluster)')
     if not 0 <= process_id < num_processes:
-      raise ConfigError(f'--process_id: {process_id} is not in [0, --num_processes={num_processes})')
+      raise ConfigError(f'--process_id: {process_id} is not in '
+                        f'[0, --num_processes={num_processes})')
     jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
   elif not cpu_devices and (cluster := detected_cluster()):  # Emulated devices: always local.
     logging.info('detected a %s: joining its distributed job', cluster)

@@ -1,4 +1,5 @@
 """Errors that reach the user as one line, `zoo: error: ...`, and a non-zero exit."""
+from typing import NoReturn
 
 
 class ZooError(Exception):
@@ -15,3 +16,8 @@ class CheckpointError(ZooError, ValueError):
 
 class NonFiniteError(ZooError, FloatingPointError):
   """The training loss or parameters became NaN or infinite."""
+
+
+def fail(field: str, message: str) -> NoReturn:
+  """Raises the ConfigError `config.<field>: <message>`: what is wrong and how to fix it."""
+  raise ConfigError(f'config.{field}: {message}')

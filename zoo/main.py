@@ -15,7 +15,8 @@ from ml_collections import config_flags
 from zoo import compilation, distributed, plan, train
 from zoo.errors import ZooError
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment file, e.g. experiments/char_lm.py:smoke.')
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'Experiment file, e.g. experiments/char_lm.py:smoke.')
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for checkpoints, metrics and logs.')
 _DRY_RUN = flags.DEFINE_bool(
     'dry_run', False, 'Compile the train step for the mesh and print its plan: sharding, bytes '
@@ -24,19 +25,22 @@ _DEVICE_MEMORY = flags.DEFINE_float(
     'device_memory_gib', 0.0, 'With --dry_run: memory per device; exit 1 if the step needs more.')
 _CPU_DEVICES = flags.DEFINE_integer(
     'cpu_devices', None, 'Run on this many emulated CPU devices (try a mesh without accelerators).')
-_COORDINATOR = flags.DEFINE_string('coordinator_address', None, 'host:port of process 0, for a multi-process job.')
+_COORDINATOR = flags.DEFINE_string(
+    'coordinator_address', None, 'host:port of process 0, for a multi-process job.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, in [0, num_processes).')
-_INIT_TIMEOUT = flags.DEFINE_integer('initialization_timeout', 300, 'Seconds to wait for every process to join.')
+_INIT_TIMEOUT = flags.DEFINE_integer(
+    'initialization_timeout', 300, 'Seconds to wait for every process to join.')
 _CACHE_DIR = flags.DEFINE_string(
     'compilation_cache_dir', None, 'Persistent XLA compilation cache: a restarted run loads its '
     'compiled steps from here instead of compiling them (e.g. a directory every host mounts).')
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
-    'heartbeat_timeout', 60, 'Seconds of silence after which a process counts as dead and the others exit.')
+    'heartbeat_timeout', 60,
+    'Seconds of silence after which a process counts as dead and the others exit.')
 flags.mark_flags_as_required(['config'])
 
 
-def main(argv):
+def main(argv: list[str]) -> None:
   if len(argv) > 1:
     sys.exit(f'zoo: error: unexpected arguments {argv[1:]}')
   try:

@@ -1,6 +1,7 @@
-"""Scalar metrics to `metrics.jsonl`, TensorBoard event files and the console."""
+"""What a run writes for people: metrics.jsonl, TensorBoard events, JSON files, the console."""
 import json
 import os
+from typing import Any
 
 from absl import logging
 
@@ -13,7 +14,7 @@ class MetricWriter:
   metrics.jsonl and in TensorBoard.
   """
 
-  def __init__(self, workdir, active, start_step):
+  def __init__(self, workdir: str, active: bool, start_step: int):
     self._active = active
     if active:
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
@@ -26,7 +27,7 @@ class MetricWriter:
       self._jsonl = open(path, 'a', encoding='utf-8')
       self._tb = SummaryWriter(logdir=workdir, flush_secs=10, purge_step=start_step + 1)
 
-  def write(self, step, scalars):
+  def write(self, step: int, scalars: dict) -> None:
     if not self._active:
       return
     row = {'step': int(step), **{k: float(v) for k, v in scalars.items()}}
@@ -36,14 +37,20 @@ class MetricWriter:
       if name != 'step':
         self._tb.add_scalar(name, value, global_step=row['step'])
 
-  def text(self, step, name, text):
+  def text(self, step: int, name: str, text: str) -> None:
     if self._active:
       self._tb.add_text(name, text, global_step=int(step))
 
-  def close(self):
+  def close(self) -> None:
     if self._active:
       self._jsonl.close()
       self._tb.close()
+
+
+def write_json(workdir: str, name: str, obj: Any) -> None:
+  """workdir/name: `obj` as indented JSON, or a string already in JSON."""
+  with open(os.path.join(workdir, name), 'w', encoding='utf-8') as f:
+    f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
 
 
 def _step_of(line):
@@ -54,14 +61,14 @@ def _step_of(line):
     return float('inf')
 
 
-def format_duration(seconds):
+def format_duration(seconds: float) -> str:
   seconds = int(round(seconds))
   h, rem = divmod(seconds, 3600)
   m, s = divmod(rem, 60)
   return f'{h}h{m:02d}m{s:02d}s' if h else f'{m}m{s:02d}s' if m else f'{s}s'
 
 
-def log_progress(step, total_steps, scalars, seconds_left):
+def log_progress(step: int, total_steps: int, scalars: dict, seconds_left: float) -> None:
   """The console line: step, loss, throughput, MFU, ETA."""
   extra = ''
   if 'perf/tokens_per_s' in scalars:

@@ -7,7 +7,8 @@ OPTIMIZERS = ('adamw', 'sgd')
 SCHEDULES = ('constant', 'cosine', 'linear')
 
 
-def make_schedule(learning_rate, schedule, warmup_steps, total_steps):
+def make_schedule(learning_rate: float, schedule: str, warmup_steps: int,
+                  total_steps: int) -> optax.Schedule:
   """Linear warmup from 0 to `learning_rate`, then constant, cosine or linear decay to 0."""
   decay_steps = max(total_steps - warmup_steps, 1)
   after = {
@@ -21,8 +22,10 @@ def make_schedule(learning_rate, schedule, warmup_steps, total_steps):
   return optax.join_schedules([warmup, after], [warmup_steps])
 
 
-def make_optimizer(total_steps, *, name, learning_rate, schedule, warmup_steps,
-                   weight_decay, grad_clip_norm, b1, b2, momentum):
+def make_optimizer(total_steps: int, *, name: str, learning_rate: float, schedule: str,
+                   warmup_steps: int, weight_decay: float, grad_clip_norm: float, b1: float,
+                   b2: float, momentum: float
+                   ) -> tuple[optax.GradientTransformationExtraArgs, optax.Schedule]:
   """Returns (optax transformation, learning-rate schedule).
 
   Weight decay applies to matrices only (ndim >= 2), not to biases or norm scales.
@@ -40,7 +43,7 @@ def make_optimizer(total_steps, *, name, learning_rate, schedule, warmup_steps,
   return optax.with_extra_args_support(tx), lr  # update(..., grad_norm=) either way.
 
 
-def clip_by_global_norm(max_norm):
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
   """optax.clip_by_global_norm that can take the norm from its caller (`grad_norm=`): the
   train step computes it once for the clip and its metric. Without sharded gradients'
   norm computed twice, XLA would run two sets of cross-device reductions."""

@@ -6,9 +6,10 @@ Conventions (those of PaLM, arXiv:2204.02311, app. B, and MaxText):
   counted from the forward's jaxpr with loops multiplied out. Elementwise work, softmax,
   normalisation and the optimizer are not counted, nor is recomputation (remat): MFU
   measures useful work. Convolutions count every output position times the whole kernel,
-  padding included. For the decoder LM this is exactly `lm_train_flops`: 6 N tokens +
-  12 layers len d_model tokens, N the parameters of its matmuls (blocks and output
-  head; the embedding lookup is not a matmul), the attention term counting the whole
+  padding included. For the decoder LM this is exactly its family's analytic count
+  (zoo.models.transformer_lm.train_flops): 6 N tokens + 12 layers len d_model tokens,
+  N the parameters of its matmuls (blocks and output head; the embedding lookup is not
+  a matmul), the attention term counting the whole
   len x len score matrix, which the model computes before masking.
 - XLA's own count (`xla_flops`) is the compiled step's cost analysis: per device, after
   partitioning, elementwise work included, but loop bodies (nn.scan layers, gradient
@@ -19,12 +20,19 @@ Conventions (those of PaLM, arXiv:2204.02311, app. B, and MaxText):
   cores). `config.perf.peak_flops_per_device` > 0 overrides both.
 - MFU = model FLOPs per step / (step time x devices x peak per device).
 """
+import functools
 import math
 import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from zoo import steps
+
+if TYPE_CHECKING:
+  from zoo.setup import Setup
 
 # device_kind substring -> dense bf16 FLOP/s per chip. Checked in order: more specific first.
 PEAK_FLOPS = (
@@ -38,7 +46,7 @@ PEAK_FLOPS = (
 )
 
 
-def table_peak(device_kind):
+def table_peak(device_kind: str) -> Optional[float]:
   """Data-sheet peak of a device kind (e.g. 'NVIDIA H100 80GB HBM3'), or None."""
   for key, flops in PEAK_FLOPS:
     if key.lower() in device_kind.lower():
@@ -49,7 +57,7 @@ def table_peak(device_kind):
 _MEASURED = {}
 
 
-def measured_cpu_peak(size=1024, repeats=3):
+def measured_cpu_peak(size: int = 1024, repeats: int = 3) -> float:
   """Float32 matmul FLOP/s of one host device's [size, size] product, best of `repeats`.
 
   XLA's CPU matmuls use every core, so this is the host's peak; emulated devices share it.
@@ -69,7 +77,7 @@ def measured_cpu_peak(size=1024, repeats=3):
   return _MEASURED[size]
 
 
-def peak_flops(configured=0.0):
+def peak_flops(configured: float = 0.0) -> tuple[Optional[float], str]:
   """(peak FLOP/s per device, where it comes from); (None, reason) when unknown."""
   if configured > 0:
     return configured, 'config.perf.peak_flops_per_device'
@@ -106,7 +114,7 @@ def _subjaxprs(value):
       yield from _subjaxprs(v)
 
 
-def jaxpr_flops(jaxpr):
+def jaxpr_flops(jaxpr: Any) -> int:
   """Matmul and convolution FLOPs of a jaxpr; scan bodies count `length` times, a
   cond its costliest branch, a while loop's body once (its trip count is not static)."""
   total = 0
@@ -124,22 +132,13 @@ def jaxpr_flops(jaxpr):
   return total
 
 
-def forward_flops(fn, *args):
+def forward_flops(fn: Callable, *args) -> int:
   """Matmul and convolution FLOPs of `fn(*args)` (arrays or ShapeDtypeStructs), traced
   (under the caller's mesh and axis rules), not run."""
   return jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
-def lm_train_flops(model, batch_size, seq_len):
-  """Analytic train-step FLOPs of zoo's TransformerLM (see the module docstring)."""
-  from zoo.models.transformer_lm import padded_vocab_size  # pylint: disable=import-outside-toplevel
-  d, f = model.d_model, model.mlp_dim
-  matmul_params = model.num_layers * (4 * d * d + 2 * d * f) + d * padded_vocab_size(model.vocab_size)
-  tokens = batch_size * seq_len
-  return 6 * matmul_params * tokens + 12 * model.num_layers * seq_len * d * tokens
-
-
-def xla_flops(compiled):
+def xla_flops(compiled: Any) -> float:
   """FLOPs per device of a compiled program by XLA's cost analysis (loop bodies once)."""
   analysis = compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
@@ -147,16 +146,48 @@ def xla_flops(compiled):
   return float((analysis or {}).get('flops', float('nan')))
 
 
-def mfu(flops_per_step, step_time, num_devices, peak_per_device):
+def mfu(flops_per_step: float, step_time: float, num_devices: int,
+        peak_per_device: Optional[float]) -> float:
   if not peak_per_device or not step_time:
     return float('nan')
   return flops_per_step / (step_time * num_devices * peak_per_device)
 
 
-def format_flops(x):
+def format_flops(x: Optional[float]) -> str:
   if x is None or not np.isfinite(x):
     return 'n/a'
   for unit, scale in (('P', 1e15), ('T', 1e12), ('G', 1e9), ('M', 1e6), ('k', 1e3)):
     if abs(x) >= scale:
       return f'{x / scale:.3g} {unit}FLOP'
   return f'{x:.3g} FLOP'
+
+
+def step_cost(setup: 'Setup', state: Any, compiled: Any) -> dict:
+  """FLOPs of one train step by this module's conventions, traced for `state` (arrays or
+  their shapes), XLA's count of the `compiled` step, and the tokens a step trains on
+  (sequence tasks)."""
+  with setup.scope():
+    forward = forward_flops(functools.partial(steps.loss, task=setup.task), state.params, state,
+                            setup.batch, setup.dropout_rng)
+  cost = {'model_flops': 3 * forward, 'xla_flops_per_device': xla_flops(compiled),
+          'devices': setup.mesh.size}
+  tokens = setup.task.tokens(setup.batch)
+  if tokens:
+    cost['tokens'] = tokens
+  if setup.family.analytic_flops:
+    cost['lm_analytic_flops'] = setup.family.analytic_flops(setup.model,
+                                                            *setup.batch['inputs'].shape)
+  return cost
+
+
+def format_cost(cost: dict) -> str:
+  """The log line of a step_cost (with the peak, if it has one)."""
+  f = format_flops
+  analytic = f', LM analytic {f(cost["lm_analytic_flops"])}' if 'lm_analytic_flops' in cost else ''
+  line = (f'FLOPs per train step: {f(cost["model_flops"])} model (3 x forward matmuls{analytic}); '
+          f'XLA cost analysis {f(cost["xla_flops_per_device"])} per device x {cost["devices"]} '
+          '(loop bodies counted once)')
+  if 'peak_source' in cost:
+    line += '; peak ' + (f'{f(cost["peak_flops_per_device"])}/s per device ({cost["peak_source"]})'
+                         if cost['peak_flops_per_device'] else cost['peak_source'])
+  return line

@@ -15,12 +15,13 @@ import math
 import re
 import time
 
-import flax.linen as nn
 import jax
+import ml_collections
 import numpy as np
 
 from zoo import config as cfg
-from zoo import sharding, train
+from zoo import perf, sharding, steps
+from zoo import setup as setup_lib
 from zoo.errors import ConfigError
 
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
@@ -107,7 +108,7 @@ def _mesh_axes_of(group, mesh):
   return '?'
 
 
-def collectives(hlo_text, mesh):
+def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[dict]:
   """Collectives of a compiled module: rows {kind, group_size, axes, count, bytes}; bytes are
   the results' per device. An op inside a loop body (nn.scan, microbatches) is listed once."""
   rows = {}
@@ -131,23 +132,19 @@ def collectives(hlo_text, mesh):
   return sorted(rows.values(), key=lambda r: (r['kind'], r['group_size'] or 0))
 
 
-def make_plan(config, device_memory_gib=0.0):
+def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0) -> dict:
   """The plan of `config` on the present devices, as a dict (see format_plan)."""
   cfg.validate(config, jax.device_count())
-  dataset, run, table = train.checked_setup(config)
-  with jax.set_mesh(run.mesh), nn.logical_axis_rules(run.rules):
-    abstract, _ = train.restore_target(run.init, run.state_shardings, run.rng)
-    state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                         abstract, run.state_shardings)
-    p_train, _ = train.jit_steps(run.state_shardings, run.batch_sharding, run.dropout_rng,
-                                 config.train.microbatches)
+  setup = setup_lib.checked(config)
+  with setup.scope():
+    state = setup.abstract_state()
     t0 = time.perf_counter()
-    compiled = p_train.lower(state, run.batch).compile()
+    compiled = steps.jit_train_step(setup).lower(state, setup.batch).compile()
     compile_s = time.perf_counter() - t0
   held = {'params': sharding.per_device_bytes(state.params),
           'optimizer': sharding.per_device_bytes(state.opt_state),
           'model_state': sharding.per_device_bytes(state.model_state),
-          'batch': sharding.per_device_bytes(run.batch)}
+          'batch': sharding.per_device_bytes(setup.batch)}
   held['other'] = sharding.per_device_bytes(state) - held['params'] - held['optimizer'] - \
       held['model_state']  # The step counter.
   m = compiled.memory_analysis()
@@ -164,14 +161,14 @@ def make_plan(config, device_memory_gib=0.0):
     raise ConfigError('--device_memory_gib: this backend gives no memory analysis of the '
                       'compiled step, so the budget cannot be checked; drop the flag')
   return {
-      'mesh': dict(run.mesh.shape), 'devices': run.mesh.size,
-      'platform': run.mesh.devices.flat[0].platform,
-      'params': table, 'bytes_per_device': held, 'compiled_memory': memory,
+      'mesh': dict(setup.mesh.shape), 'devices': setup.mesh.size,
+      'platform': setup.mesh.devices.flat[0].platform,
+      'params': setup.param_table(), 'bytes_per_device': held, 'compiled_memory': memory,
       'device_memory_bytes': budget,
       'fits': None if budget is None or memory is None else memory['peak'] <= budget,
-      'step_cost': train.step_cost(config, run, state, compiled, dataset.task),
+      'step_cost': perf.step_cost(setup, state, compiled),
       'compile_s': compile_s,
-      'collectives': collectives(compiled.as_text(), run.mesh),
+      'collectives': collectives(compiled.as_text(), setup.mesh),
   }
 
 
@@ -179,7 +176,7 @@ def _mib(n):
   return f'{n / 2**20:,.2f} MiB'
 
 
-def format_plan(p):
+def format_plan(p: dict) -> str:
   """The plan as text."""
   lines = [f'mesh {p["mesh"]} on {p["devices"]} {p["platform"]} devices; the train step '
            f'compiled in {p["compile_s"]:.1f} s', '', sharding.format_param_table(p['params']), '',
@@ -206,11 +203,12 @@ def format_plan(p):
   if p['fits'] is not None:
     verdict = 'fits' if p['fits'] else 'DOES NOT FIT'
     lines.append(f'{verdict} in {_mib(p["device_memory_bytes"])} per device')
-  lines.append(train.format_cost(p['step_cost']))
+  lines.append(perf.format_cost(p['step_cost']))
   lines.append('collectives in the compiled step (an op in a loop body is listed once):')
   if not p['collectives']:
     lines.append('  none')
   for r in p['collectives']:
     group = f'groups of {r["group_size"]} ({r["axes"]})' if r['group_size'] else 'point to point'
-    lines.append(f'  {r["kind"]:20s}{r["count"]:4d} x, {group:28s}{_mib(r["bytes"]):>14s} per device')
+    lines.append(f'  {r["kind"]:20s}{r["count"]:4d} x, {group:28s}'
+                 f'{_mib(r["bytes"]):>14s} per device')
   return '\n'.join(lines)

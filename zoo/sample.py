@@ -17,24 +17,27 @@ import math
 import os
 import sys
 
+from typing import Any
+
 from absl import app
 from absl import flags
 from absl import logging
-import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
 
-from zoo import checkpoint, data, distributed, models, sharding
+from zoo import checkpoint, data, distributed, models, sharding, tasks
+from zoo import setup as setup_lib
+from zoo.data.dataset import Dataset
 from zoo.errors import CheckpointError, ConfigError, ZooError
-from zoo.models import transformer_lm
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Workdir of a transformer_lm training run.')
 _PROMPT = flags.DEFINE_string('prompt', '', 'Text to continue (empty: start from a newline).')
 _NUM_CHARS = flags.DEFINE_integer('num_chars', 200, 'Tokens (characters) to generate per sample.')
 _TEMPERATURE = flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 is greedy.')
 _TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k likeliest tokens; 0: all.')
-_NUM_SAMPLES = flags.DEFINE_integer('num_samples', 1, 'Independent samples, generated as one batch.')
+_NUM_SAMPLES = flags.DEFINE_integer(
+    'num_samples', 1, 'Independent samples, generated as one batch.')
 _SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed: the same seed gives the same text.')
 _MESH_SHAPE = flags.DEFINE_string(
     'mesh_shape', '', "Mesh over the run's mesh axes, e.g. '1,8' or '-1,1'. Empty: every device on "
@@ -44,23 +47,25 @@ _CPU_DEVICES = flags.DEFINE_integer(
 flags.mark_flags_as_required(['workdir'])
 
 
-def load_run(workdir):
+def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, str]:
   """The run's config (a ConfigDict, tuples read back as lists) and its checkpoint directory.
 
   Checks that the run trained a language model and has a complete checkpoint.
   """
   if not os.path.isdir(workdir):
-    raise ConfigError(f'--workdir: {workdir} is not a directory; give the workdir of a training run')
+    raise ConfigError(f'--workdir: {workdir} is not a directory; give the workdir of a training '
+                      'run')
   path = os.path.join(workdir, 'config.json')
   if not os.path.isfile(path):
-    raise ConfigError(f'--workdir: {workdir} has no config.json; give the workdir of a training run')
+    raise ConfigError(f'--workdir: {workdir} has no config.json; give the workdir of a training '
+                      'run')
   try:
     with open(path, encoding='utf-8') as f:
       config = ml_collections.ConfigDict(json.load(f))
   except ValueError as e:
     raise ConfigError(f'--workdir: {path} is not valid JSON ({e})') from None
   name = config.model.get('name')
-  if name not in models.MODELS or models.MODELS[name][1] != transformer_lm.TASK:
+  if name not in models.MODELS or models.MODELS[name].task != tasks.LanguageModel.name:
     raise ConfigError(f'--workdir: {workdir} trained model {name!r}, not a language model; '
                       'sampling needs a transformer_lm run')
   if config.data.get('path') and not os.path.isfile(config.data.path):
@@ -72,7 +77,7 @@ def load_run(workdir):
   return config, directory
 
 
-def encode_prompt(dataset, prompt, vocab_size):
+def encode_prompt(dataset: Dataset, prompt: str, vocab_size: int) -> np.ndarray:
   """Token ids [T] of the prompt: characters, or for data without them, ids separated by spaces."""
   if dataset.encode is None:
     try:
@@ -97,39 +102,38 @@ def _parse_mesh_shape(text, axes, num_devices):
   except ValueError:
     raise ConfigError(f'--mesh_shape: {text!r} is not comma-separated integers, e.g. '
                       f'\'1,{num_devices}\'') from None
-  product = math.prod(s for s in shape if s != -1)
-  if (len(shape) != len(axes) or shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape)
-      or (num_devices % product if -1 in shape else product != num_devices)):
-    raise ConfigError(f'--mesh_shape: {text!r} must give one size per mesh axis {tuple(axes)} '
-                      f'(at most one -1) with product {num_devices}, the devices present')
-  return sharding.resolve_mesh_shape(shape, num_devices)
+  return sharding.check_mesh_shape(shape, axes, num_devices, field='--mesh_shape')
 
 
-def _fits(boxed_params, mesh, rules):
+def _fits(logical_params, mesh, rules):
   """Whether every sharded parameter dimension divides over its mesh axes."""
-  return all(None not in row['shard_shape'] for row in sharding.param_table(boxed_params, mesh, rules))
+  return all(None not in row['shard_shape']
+             for row in sharding.param_table(logical_params, mesh, rules))
 
 
-def choose_mesh(mesh_shape, axes, boxed_params, rules):
+def choose_mesh(mesh_shape: str, axes: tuple, logical_params: Any,
+                rules: tuple) -> jax.sharding.Mesh:
   """The mesh to sample on: --mesh_shape, else every device on 'model', else one device."""
   devices = jax.devices()
   if mesh_shape:
     mesh = sharding.make_mesh(_parse_mesh_shape(mesh_shape, axes, len(devices)), axes, devices)
-    if not _fits(boxed_params, mesh, rules):
-      raise ConfigError(f'--mesh_shape: the parameters do not split over the mesh {dict(mesh.shape)} '
+    if not _fits(logical_params, mesh, rules):
+      raise ConfigError(f'--mesh_shape: the parameters do not split over the mesh '
+                        f'{dict(mesh.shape)} '
                         'under the run\'s logical_axis_rules; choose other sizes')
     return mesh
   if 'model' in axes:
     mesh = sharding.make_mesh([len(devices) if a == 'model' else 1 for a in axes], axes, devices)
-    if _fits(boxed_params, mesh, rules):
+    if _fits(logical_params, mesh, rules):
       return mesh
   logging.warning('the parameters do not split over %d devices on the model axis; sampling on '
                   'one device (set --mesh_shape to choose)', len(devices))
   return sharding.make_mesh([1] * len(axes), axes, devices[:1])
 
 
-def generate_text(workdir, prompt='', num_chars=200, temperature=0.8, top_k=0, num_samples=1,
-                  seed=0, mesh_shape=''):
+def generate_text(workdir: str, prompt: str = '', num_chars: int = 200, temperature: float = 0.8,
+                  top_k: int = 0, num_samples: int = 1, seed: int = 0,
+                  mesh_shape: str = '') -> list[str]:
   """Samples from the newest checkpoint of `workdir`; returns one string per sample.
 
   Each string is the prompt followed by `num_chars` generated tokens, decoded. Bad input
@@ -145,7 +149,6 @@ def generate_text(workdir, prompt='', num_chars=200, temperature=0.8, top_k=0, n
   vocab_size = dataset.model_fields['vocab_size']
   if not 0 <= top_k <= vocab_size:
     raise ConfigError(f'--top_k: must be in [0, {vocab_size}] (the vocabulary), got {top_k}')
-  model = models.build(config.model, **dataset.model_fields)
 
   prompt_T = encode_prompt(dataset, prompt, vocab_size)
   start = 0
@@ -155,30 +158,35 @@ def generate_text(workdir, prompt='', num_chars=200, temperature=0.8, top_k=0, n
   tokens_BT = np.zeros((num_samples, len(prompt_T) + num_chars), np.int32)
   tokens_BT[:, :len(prompt_T)] = prompt_T
 
-  # Outside a mesh the boxes only carry the logical axis names: no constraint is applied.
-  boxed = jax.eval_shape(model.init, jax.random.key(0), tokens_BT[:, :1])['params']
-  abstract = nn.meta.unbox(boxed)
-  rules = [tuple(r) for r in config.logical_axis_rules]
-  mesh = choose_mesh(mesh_shape, tuple(config.mesh.axes), boxed, rules)
-  batch_axes = sharding.mesh_axes_of(nn.logical_to_mesh_axes(('act_batch',), rules)[0])
-  if num_samples % math.prod(mesh.shape[a] for a in batch_axes):
-    rules = [(name, None if name == 'act_batch' else axis) for name, axis in rules]  # Replicate.
-  logging.info('sampling on mesh %s (%d devices)', dict(mesh.shape), mesh.size)
-
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    shardings = sharding.logical_shardings(boxed, mesh, rules)
-    target = checkpoint.abstract_target(abstract, shardings)
-    params, step, _ = checkpoint.restore_params(directory, target, field='--workdir')
+  setup = _sampling_setup(config, dataset, mesh_shape, num_samples)
+  logging.info('sampling on mesh %s (%d devices)', dict(setup.mesh.shape), setup.mesh.size)
+  replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+  with setup.scope():
+    params, step, _ = checkpoint.restore_params(directory, setup.abstract_state().params,
+                                                field='--workdir')
     logging.info('restored params from step %d of %s', step, directory)
     gen = jax.jit(functools.partial(
-        transformer_lm.generate, model.apply, prompt_len=len(prompt_T), window=model.max_len,
+        tasks.generate, setup.model.apply, prompt_len=len(prompt_T), window=setup.model.max_len,
         temperature=temperature, top_k=top_k), out_shardings=replicated)
     out_BT = np.asarray(gen({'params': params}, tokens_BT, rng=jax.random.key(seed)))
   return [dataset.decode(row[start:]) for row in out_BT]
 
 
-def main(argv):
+def _sampling_setup(config: ml_collections.ConfigDict, dataset: Dataset, mesh_shape: str,
+                    num_samples: int) -> setup_lib.Setup:
+  """The run's Setup on the sampling mesh (choose_mesh); the samples are replicated where
+  they do not divide over the batch shards."""
+  axes = tuple(config.mesh.axes)
+  one_device = sharding.make_mesh([1] * len(axes), axes, jax.devices()[:1])
+  logical = setup_lib.build(config, dataset, mesh=one_device)  # For the parameters' names.
+  mesh = choose_mesh(mesh_shape, axes, logical.logical_state.params, logical.rules)
+  rules = logical.rules
+  if num_samples % math.prod(mesh.shape[a] for a in sharding.batch_mesh_axes(rules)):
+    rules = [(name, None if name == 'act_batch' else axis) for name, axis in rules]  # Replicate.
+  return setup_lib.build(config, dataset, mesh=mesh, rules=rules)
+
+
+def main(argv: list[str]) -> None:
   if len(argv) > 1:
     sys.exit(f'zoo: error: unexpected arguments {argv[1:]}')
   try:

@@ -6,7 +6,9 @@ Model code names every parameter and activation axis with a *logical* name from
 both a parameter axis and an activation axis, and no logical name equals a mesh
 axis name: the rule table is never ambiguous.
 """
+import contextlib
 import math
+from typing import Any, Iterator, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -44,12 +46,12 @@ LOGICAL_AXES = {
 }
 
 
-def standard_rules():
+def standard_rules() -> list[tuple]:
   """The default rules: a list of (logical name, mesh axis or None), Flax's convention."""
   return [(name, axis) for name, (axis, _) in LOGICAL_AXES.items()]
 
 
-def fsdp_rules():
+def fsdp_rules() -> list[tuple]:
   """Standard rules plus FSDP (ZeRO-3 style): parameters' 'embed' axis split over 'batch'.
 
   Every weight matrix touches 'embed', so parameter and optimizer bytes per device fall
@@ -59,13 +61,68 @@ def fsdp_rules():
   return [(name, 'batch' if name == 'embed' else axis) for name, axis in standard_rules()]
 
 
-def per_device_bytes(tree):
+def rules_tuple(rules: Sequence) -> tuple:
+  """config.logical_axis_rules (lists once read back from JSON) as a tuple of pairs."""
+  return tuple(tuple(rule) for rule in rules)
+
+
+@contextlib.contextmanager
+def scope(mesh: jax.sharding.Mesh, rules: Sequence) -> Iterator[None]:
+  """The mesh and the logical-axis rules: trace model code under both, or its logical
+  constraints silently do nothing."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
+
+
+def batch_mesh_axes(rules: Sequence) -> tuple:
+  """The mesh axes that the rules map 'act_batch' onto (Flax's first matching rule)."""
+  return mesh_axes_of(nn.logical_to_mesh_axes(('act_batch',), rules_tuple(rules))[0])
+
+
+def check_mesh_shape(shape: Sequence[int], axes: Sequence[str], num_devices: int,
+                     field: str = 'config.mesh.shape',
+                     dcn_shape: Optional[Sequence[int]] = None) -> tuple:
+  """The shape with its -1 filled in. ConfigError naming `field` unless it gives one size
+  per axis, at most one -1, and a product that is (or, with -1, divides) `num_devices`;
+  and naming config.mesh.axes or config.mesh.dcn_shape (if given) where those are wrong."""
+  shape, axes = tuple(shape), tuple(axes)
+  if len(shape) != len(axes):
+    repeated = (' (repeating --config.mesh.shape concatenates the tuples)'
+                if field == 'config.mesh.shape' else '')
+    raise ConfigError(f'{field}: {shape} has {len(shape)} entries but mesh.axes {axes} has '
+                      f'{len(axes)}; give one size per axis{repeated}')
+  if 'batch' not in axes or len(set(axes)) != len(axes):
+    raise ConfigError(f'config.mesh.axes: {axes} must name distinct axes including "batch"')
+  if shape.count(-1) > 1:
+    raise ConfigError(f'{field}: {shape} has more than one -1; at most one axis size can be '
+                      'inferred')
+  if any(s == 0 or s < -1 for s in shape):
+    raise ConfigError(f'{field}: {shape} has a size that is neither positive nor -1')
+  dcn = tuple(dcn_shape or (1,) * len(axes))
+  if len(dcn) != len(axes) or any(d <= 0 for d in dcn):
+    raise ConfigError(f'config.mesh.dcn_shape: {dcn} must give one positive number of slices '
+                      f'per axis of {axes}')
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape and num_devices % known:
+    raise ConfigError(f'{field}: {shape}: {num_devices} devices do not divide by {known}; '
+                      f'make the other sizes divide {num_devices}')
+  if -1 not in shape and known != num_devices:
+    raise ConfigError(f'{field}: {shape} needs {known} devices but {num_devices} are present; '
+                      f'make the product {num_devices} or put -1 for one axis')
+  resolved = resolve_mesh_shape(shape, num_devices)
+  if any(s % d for s, d in zip(resolved, dcn)):
+    raise ConfigError(f'config.mesh.dcn_shape: {dcn} does not divide the mesh shape {resolved}; '
+                      'each axis size must be a multiple of its number of slices')
+  return resolved
+
+
+def per_device_bytes(tree: Any) -> int:
   """Bytes of one device's shards of `tree`: jax.Arrays or ShapeDtypeStructs with shardings."""
   return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
              for leaf in jax.tree.leaves(tree))
 
 
-def resolve_mesh_shape(shape, num_devices):
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple:
   """Fills the one -1 entry of `shape` so that its product is `num_devices`."""
   shape = tuple(int(s) for s in shape)
   if -1 in shape:
@@ -74,7 +131,8 @@ def resolve_mesh_shape(shape, num_devices):
   return shape
 
 
-def make_mesh(shape, axes, devices=None, dcn_shape=()):
+def make_mesh(shape: Sequence[int], axes: Sequence[str], devices: Optional[Sequence] = None,
+              dcn_shape: Sequence[int] = ()) -> jax.sharding.Mesh:
   """A mesh over `devices` (default: all global devices) with Auto axis types.
 
   Linen's sharding annotations need Auto axes: jax.make_mesh defaults to
@@ -99,17 +157,17 @@ def make_mesh(shape, axes, devices=None, dcn_shape=()):
   return jax.sharding.Mesh(array, tuple(axes), axis_types=axis_types)
 
 
-def logical_shardings(boxed_tree, mesh, rules):
+def logical_shardings(logical_tree: Any, mesh: jax.sharding.Mesh, rules: Sequence) -> Any:
   """NamedShardings for a tree whose leaves are nn.Partitioned boxes or arrays."""
-  specs = nn.get_partition_spec(boxed_tree)
+  specs = nn.get_partition_spec(logical_tree)
   return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
-def param_table(boxed_params, mesh, rules):
+def param_table(logical_params: Any, mesh: jax.sharding.Mesh, rules: Sequence) -> list[dict]:
   """One row per parameter: path, shape, dtype, logical axes, PartitionSpec, shard shape."""
   rows = []
   flat = jax.tree_util.tree_flatten_with_path(
-      boxed_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
+      logical_params, is_leaf=lambda x: isinstance(x, nn.Partitioned))[0]
   for path, leaf in flat:
     value = leaf.value if isinstance(leaf, nn.Partitioned) else leaf
     names = tuple(leaf.names) if isinstance(leaf, nn.Partitioned) else (None,) * value.ndim
@@ -125,7 +183,7 @@ def param_table(boxed_params, mesh, rules):
   return rows
 
 
-def mesh_axes_of(entry):
+def mesh_axes_of(entry: Any) -> tuple:
   """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names), as a tuple."""
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
@@ -136,7 +194,7 @@ def _shard_size(dim, entry, mesh):
   return None if dim % shards else dim // shards
 
 
-def format_param_table(rows):
+def format_param_table(rows: list[dict]) -> str:
   """The parameter table as aligned text for the log."""
   header = ('path', 'shape', 'logical axes', 'PartitionSpec', 'shard')
   lines = [header] + [(r['path'], str(tuple(r['shape'])), str(tuple(r['logical_axes'])),

@@ -13,10 +13,11 @@ are drawn fresh per step from (seed, step), without end. The held-out set is fix
 disjoint from training: a source whose hash is 0 mod 97 is an eval example, and the
 training stream redraws such sources.
 """
+import ml_collections
 import numpy as np
 
-from zoo.data import Dataset, padded_batches
-from zoo.errors import ConfigError
+from zoo.data.dataset import DataSource, Dataset, padded_batches
+from zoo.errors import ConfigError, fail
 
 PLUS, BOS = 10, 11
 VOCAB = '0123456789+^'
@@ -63,8 +64,8 @@ def _held_out_set(problem, n, num_eval, seed, rounds=100):
       pairs = list(found.values())[:num_eval]
       return np.stack([s for s, _ in pairs]), np.stack([t for _, t in pairs])
   raise ConfigError(f'config.data.num_eval: {num_eval} exceeds the {len(found)} distinct held-out '
-                    f'{problem!r} examples found with data.digits={n}; lower data.num_eval or raise '
-                    'data.digits')
+                    f'{problem!r} examples found with data.digits={n}; lower data.num_eval or '
+                    'raise data.digits')
 
 
 def _batch(source, target):
@@ -73,7 +74,7 @@ def _batch(source, target):
           'targets': target}
 
 
-def load(data_config, seed):
+def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
   problem, n, num_eval = data_config.problem, data_config.digits, data_config.num_eval
 
   def train_batch(step, global_batch_size, rows):
@@ -96,3 +97,16 @@ def load(data_config, seed):
   return Dataset(task='seq2seq', model_fields={'vocab_size': len(VOCAB)},
                  train_batch=train_batch, eval_batches=eval_batches, num_train=2**62,
                  decode=decode)
+
+
+def check_config(data_config: ml_collections.ConfigDict) -> None:
+  if data_config.get('problem') not in PROBLEMS:
+    fail('data.problem', f'unknown problem {data_config.get("problem")!r}; '
+         f'known: {", ".join(PROBLEMS)}')
+  if not 1 <= data_config.get('digits', 0) <= 18:
+    fail('data.digits', f'must be in 1..18 (int64 sums), got {data_config.get("digits")}')
+  if data_config.get('num_eval', 0) <= 0:
+    fail('data.num_eval', f'must be positive, got {data_config.get("num_eval")}')
+
+
+SOURCE = DataSource(load, task='seq2seq', check_config=check_config)

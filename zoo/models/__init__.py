@@ -1,19 +1,25 @@
-"""The model registry: `config.model.name` -> (Linen module, task it solves)."""
-from zoo.models import cnn, encoder_decoder, mlp, resnet, transformer_lm, vit
+"""The model registry: `config.model.name` -> its ModelFamily (module, task, checks).
 
-# name -> (module class, task). A task names the data a model consumes: see zoo.data.
-MODELS = {
-    'mlp': (mlp.MLP, mlp.TASK),
-    'cnn': (cnn.CNN, cnn.TASK),
-    'resnet': (resnet.ResNet, resnet.TASK),
-    'vit': (vit.ViT, vit.TASK),
-    'transformer_lm': (transformer_lm.TransformerLM, transformer_lm.TASK),
-    'encoder_decoder': (encoder_decoder.EncoderDecoder, encoder_decoder.TASK),
+Adding a family: a file in this package ending with `FAMILY = ModelFamily(...)` (see
+family.py), and one line here.
+"""
+import flax.linen as nn
+import ml_collections
+
+from zoo.models import cnn, encoder_decoder, mlp, resnet, transformer_lm, vit
+from zoo.models.family import ModelFamily
+
+MODELS: dict[str, ModelFamily] = {
+    'mlp': mlp.FAMILY,
+    'cnn': cnn.FAMILY,
+    'resnet': resnet.FAMILY,
+    'vit': vit.FAMILY,
+    'transformer_lm': transformer_lm.FAMILY,
+    'encoder_decoder': encoder_decoder.FAMILY,
 }
 
 
-def build(model_config, **data_fields):
+def build(model_config: ml_collections.ConfigDict, **data_fields) -> nn.Module:
   """The model named by `model_config.name`, with its fields plus the data's (e.g. num_classes)."""
-  cls, _ = MODELS[model_config.name]
   fields = {k: v for k, v in model_config.items() if k != 'name'}
-  return cls(**fields, **data_fields)
+  return MODELS[model_config.name].module(**fields, **data_fields)

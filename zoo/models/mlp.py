@@ -9,17 +9,11 @@ pair of layers needs one all-reduce.
 from typing import Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
-TASK = 'classification'
-
-
-def _dense(features, axes, name):
-  """A Dense layer whose kernel and bias carry logical axis names."""
-  return nn.Dense(
-      features, name=name,
-      kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), axes),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
+from zoo.models.family import ModelFamily
+from zoo.models.layers import dense, other_axis
 
 
 class MLP(nn.Module):
@@ -28,15 +22,18 @@ class MLP(nn.Module):
   num_classes: int
 
   @nn.compact
-  def __call__(self, x, train=False):
+  def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
     del train  # No dropout or batch statistics.
     x_BF = x.reshape(x.shape[0], -1).astype(jnp.float32)
     x_BF = nn.with_logical_constraint(x_BF, ('act_batch', 'act_embed'))
     axis = 'embed'
     for i, size in enumerate(self.hidden_sizes):
-      out = 'mlp' if axis == 'embed' else 'embed'
-      x_BF = nn.relu(_dense(size, (axis, out), f'hidden_{i}')(x_BF))
+      out = other_axis(axis)
+      x_BF = nn.relu(dense(size, (axis, out), f'hidden_{i}')(x_BF))
       x_BF = nn.with_logical_constraint(x_BF, ('act_batch', f'act_{out}'))
       axis = out
-    logits_BC = _dense(self.num_classes, (axis, 'classes'), 'head')(x_BF)
+    logits_BC = dense(self.num_classes, (axis, 'classes'), 'head')(x_BF)
     return nn.with_logical_constraint(logits_BC, ('act_batch', 'act_classes'))
+
+
+FAMILY = ModelFamily(MLP, task='classification')

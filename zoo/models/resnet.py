@@ -12,13 +12,13 @@ the channels they describe.
 from typing import Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import ml_collections
 
-TASK = 'classification'
-
-
-def _partitioned(init, axes):
-  return nn.with_logical_partitioning(init, axes)
+from zoo.errors import fail
+from zoo.models import layers
+from zoo.models.family import ModelFamily
 
 
 class BatchNorm(nn.Module):
@@ -37,10 +37,11 @@ class BatchNorm(nn.Module):
   def __call__(self, x, train):
     shape, axes = (x.shape[-1],), (self.channel_axis,)
     zeros, ones = nn.initializers.zeros_init(), nn.initializers.ones_init()
-    mean = self.variable('batch_stats', 'mean', _partitioned(zeros, axes), None, shape, jnp.float32)
-    var = self.variable('batch_stats', 'var', _partitioned(ones, axes), None, shape, jnp.float32)
-    scale = self.param('scale', _partitioned(self.scale_init, axes), shape)
-    bias = self.param('bias', _partitioned(zeros, axes), shape)
+    stat = lambda name, init: self.variable('batch_stats', name, layers.partitioned(init, axes),
+                                            None, shape, jnp.float32)
+    mean, var = stat('mean', zeros), stat('var', ones)
+    scale = self.param('scale', layers.partitioned(self.scale_init, axes), shape)
+    bias = self.param('bias', layers.partitioned(zeros, axes), shape)
     x = x.astype(jnp.float32)
     if train:
       reduce = tuple(range(x.ndim - 1))
@@ -56,7 +57,7 @@ class BatchNorm(nn.Module):
 
 def _conv(features, kernel, strides, axes, name):
   return nn.Conv(features, (kernel, kernel), strides, padding='SAME', use_bias=False, name=name,
-                 kernel_init=_partitioned(nn.initializers.he_normal(),
+                 kernel_init=layers.partitioned(nn.initializers.he_normal(),
                                           ('conv_height', 'conv_width') + axes))
 
 
@@ -89,11 +90,8 @@ class ResNet(nn.Module):
   num_classes: int
 
   @nn.compact
-  def __call__(self, x, train=False):
-    x_BHWC = x.astype(jnp.float32)
-    if x_BHWC.ndim == 3:
-      x_BHWC = x_BHWC[..., None]
-    x_BHWC = _constrain(x_BHWC, 'act_embed')
+  def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
+    x_BHWC = _constrain(layers.images(x), 'act_embed')
     # The stem's input channels are few (1 for the digits): replicated.
     x_BHWC = _conv(self.features[0], 3, 1, (None, 'embed'), 'stem')(x_BHWC)
     x_BHWC = _constrain(nn.relu(BatchNorm('embed', name='bn_stem')(x_BHWC, train)), 'act_embed')
@@ -102,8 +100,14 @@ class ResNet(nn.Module):
         strides = 2 if i > 0 and j == 0 else 1
         x_BHWC = BasicBlock(features, strides, name=f'stage_{i}_block_{j}')(x_BHWC, train)
     x_BC = x_BHWC.mean(axis=(1, 2))
-    logits_BC = nn.Dense(
-        self.num_classes, name='head',
-        kernel_init=_partitioned(nn.initializers.lecun_normal(), ('embed', 'classes')),
-        bias_init=_partitioned(nn.initializers.zeros_init(), ('classes',)))(x_BC)
+    logits_BC = layers.dense(self.num_classes, ('embed', 'classes'), 'head')(x_BC)
     return nn.with_logical_constraint(logits_BC, ('act_batch', 'act_classes'))
+
+
+def check_config(m: ml_collections.ConfigDict) -> None:
+  if len(m.stage_sizes) != len(m.features):
+    fail('model.features', f'{tuple(m.features)} must give one channel count per stage of '
+         f'model.stage_sizes={tuple(m.stage_sizes)}')
+
+
+FAMILY = ModelFamily(ResNet, task='classification', check_config=check_config)

@@ -1,4 +1,4 @@
-"""Transformer layers shared by the LM, the encoder-decoder and the ViT.
+"""Transformer layers and fields shared by the LM, the encoder-decoder and the ViT.
 
 Pre-norm blocks (Radford et al., 2019) with heads and MLP units split over the 'model'
 mesh axis (Megatron-LM, arXiv:1909.08053). The switches every Transformer family takes:
@@ -18,12 +18,20 @@ mesh axis (Megatron-LM, arXiv:1909.08053). The switches every Transformer family
 Shapes are suffixed: B batch, L (M) query (key) length, D d_model, H heads, K head
 size, F MLP units. Parameters are our own einsum weights rather than nn.DenseGeneral:
 flax issue #3676 breaks 3-D kernels with logical partitioning under a mesh.
+
+The families subclass `Transformer`, which declares these switches and the sizes once
+(their `config.model` keys), and check them with `check_config`.
 """
-from typing import Optional
+from typing import Optional, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from zoo.errors import fail
+from zoo.models.layers import param, partitioned
 
 REMAT_POLICIES = {
     'none': None,
@@ -34,22 +42,49 @@ REMAT_POLICIES = {
 DTYPES = ('float32', 'bfloat16')
 POSITIONS = ('learned', 'rotary')
 
-_init = nn.initializers.normal(stddev=0.02)
+
+class Transformer(nn.Module):
+  """The sizes and switches of every Transformer family; subclasses add their own fields
+  (declared with `kw_only=True`) and a `__call__`."""
+  num_layers: int
+  d_model: int
+  num_heads: int
+  mlp_dim: int
+  scan_layers: bool = False
+  remat: str = 'none'
+  dtype: str = 'float32'
+  dropout_rate: float = 0.0
 
 
-def param(module, name, shape, axes, dtype, init=_init):
-  """A float32 parameter with logical axis names, cast to the computation dtype."""
-  return module.param(name, nn.with_logical_partitioning(init, axes), shape).astype(dtype)
+def check_config(m: ml_collections.ConfigDict) -> None:
+  """The Transformer families' sizes and switches (config.model)."""
+  if m.d_model % m.num_heads:
+    fail('model.num_heads', f'{m.num_heads} does not divide model.d_model={m.d_model}')
+  choices = {'remat': tuple(REMAT_POLICIES), 'dtype': DTYPES, 'positions': POSITIONS}
+  for key, known in choices.items():
+    if key in m and m[key] not in known:
+      fail(f'model.{key}', f'unknown {key} {m[key]!r}; known: {", ".join(known)}')
+  if m.get('positions') == 'rotary' and (m.d_model // m.num_heads) % 2:
+    fail('model.positions', f'rotary positions need an even head size, got '
+         f'd_model/num_heads = {m.d_model // m.num_heads}')
+  if not 0 <= m.get('dropout_rate', 0.0) < 1:
+    fail('model.dropout_rate', f'must be in [0, 1), got {m.dropout_rate}')
 
 
-def layer_norm(name, dtype):
-  return nn.LayerNorm(
-      name=name, dtype=dtype,
-      scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ('embed',)),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ('embed',)))
+def check_lengths(m: ml_collections.ConfigDict, inputs: Sequence[np.ndarray]) -> None:
+  """model.max_len covers the longest token sequence among the model's inputs [B, L]."""
+  needed = max(x.shape[1] for x in inputs)
+  if m.max_len < needed:
+    fail('model.max_len', f'{m.max_len} is shorter than the {needed} positions of the data')
 
 
-def rotate(x_BLHK):
+def layer_norm(name: str, dtype: str) -> nn.LayerNorm:
+  return nn.LayerNorm(name=name, dtype=dtype,
+                      scale_init=partitioned(nn.initializers.ones_init(), ('embed',)),
+                      bias_init=partitioned(nn.initializers.zeros_init(), ('embed',)))
+
+
+def rotate(x_BLHK: jax.Array) -> jax.Array:
   """Rotary position embedding: pairs of features turn by position-dependent angles."""
   half = x_BLHK.shape[-1] // 2
   freq_K = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
@@ -75,7 +110,8 @@ class Attention(nn.Module):
     act = ('act_batch', 'act_len', 'act_heads', 'act_kv')
     project = lambda name, y: nn.with_logical_constraint(
         jnp.einsum('BLD,DHK->BLHK', y, param(self, name, shape, axes, self.dtype)), act)
-    q_BLHK, k_BMHK, v_BMHK = project('query', x_BLD), project('key', kv_BMD), project('value', kv_BMD)
+    q_BLHK = project('query', x_BLD)
+    k_BMHK, v_BMHK = project('key', kv_BMD), project('value', kv_BMD)
     if self.rotary:
       q_BLHK, k_BMHK = rotate(q_BLHK), rotate(k_BMHK)
     logits_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK, preferred_element_type=jnp.float32)
@@ -133,30 +169,39 @@ class Block(nn.Module):
     return nn.with_logical_constraint(x_BLD, ('act_batch', 'act_len', 'act_embed')), None
 
 
-def blocks(x_BLD, context_BMD: Optional[jax.Array], *, num_layers, scan_layers, remat, prefix,
-           **block_fields):
-  """Runs `num_layers` Blocks, unrolled (`{prefix}_{i}`) or under nn.scan (`{prefix}s`).
+def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None, *,
+           prefix: str, train: bool, causal: bool = False, cross: bool = False,
+           rotary: bool = False) -> jax.Array:
+  """Runs `module.num_layers` Blocks, unrolled (`{prefix}_{i}`) or under nn.scan (`{prefix}s`).
 
-  Call inside a parent's `nn.compact` method: the blocks become its submodules.
+  Call inside the `nn.compact` method of a Transformer `module`: the blocks become its
+  submodules, sized and switched by its fields.
   """
   cls = Block
-  if REMAT_POLICIES[remat] is not None:
+  policy = REMAT_POLICIES[module.remat]
+  if policy is not None:
     # Under scan, the loop already keeps XLA from merging the recomputation away.
-    cls = nn.remat(Block, policy=REMAT_POLICIES[remat], prevent_cse=not scan_layers)
-  if scan_layers:
+    cls = nn.remat(Block, policy=policy, prevent_cse=not module.scan_layers)
+  fields = dict(num_heads=module.num_heads, mlp_dim=module.mlp_dim, causal=causal, cross=cross,
+                rotary=rotary, dtype=module.dtype, dropout_rate=module.dropout_rate,
+                deterministic=not train)
+  if module.scan_layers:
     stack = nn.scan(cls, variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
-                    in_axes=(nn.broadcast,), length=num_layers,
+                    in_axes=(nn.broadcast,), length=module.num_layers,
                     metadata_params={nn.PARTITION_NAME: 'layers'})
-    x_BLD, _ = stack(**block_fields, name=f'{prefix}s')(x_BLD, context_BMD)
+    x_BLD, _ = stack(**fields, name=f'{prefix}s')(x_BLD, context_BMD)
     return x_BLD
-  for i in range(num_layers):
-    x_BLD, _ = cls(**block_fields, name=f'{prefix}_{i}')(x_BLD, context_BMD)
+  for i in range(module.num_layers):
+    x_BLD, _ = cls(**fields, name=f'{prefix}_{i}')(x_BLD, context_BMD)
   return x_BLD
 
 
-def embed_positions(module, x_BLD, positions, max_len, name, dtype):
-  """Adds a learned position table ('learned'); rotary positions act inside attention."""
-  if positions == 'rotary':
-    return x_BLD
-  pos_LD = param(module, name, (max_len, x_BLD.shape[-1]), ('len', 'embed'), dtype)
-  return x_BLD + pos_LD[:x_BLD.shape[1]]
+def embed_positions(module: nn.Module, x_BLD: jax.Array, positions: str, max_len: int, name: str,
+                    train: bool) -> jax.Array:
+  """Adds a learned position table ('learned'; rotary positions act inside attention), then
+  dropout; the result is pinned to the activation layout of a block's input."""
+  if positions != 'rotary':
+    pos_LD = param(module, name, (max_len, x_BLD.shape[-1]), ('len', 'embed'), module.dtype)
+    x_BLD = x_BLD + pos_LD[:x_BLD.shape[1]]
+  x_BLD = nn.Dropout(module.dropout_rate)(x_BLD, deterministic=not train)
+  return nn.with_logical_constraint(x_BLD, ('act_batch', 'act_len', 'act_embed'))

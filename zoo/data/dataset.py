@@ -1,0 +1,109 @@
+"""What a dataset gives the trainer, and the builders that in-memory datasets share.
+
+A batch is a dict of numpy arrays with a leading batch axis: `inputs`, `targets`,
+`decoder_inputs` for sequence-to-sequence data, and for eval batches `weights` (0 marks
+padding). Batch contents are a pure function of (seed, step), so the step alone is the
+data position of a run: resuming needs no iterator state, and every process computes the
+same global batch order.
+"""
+import dataclasses
+from typing import Callable, Iterator, Optional
+
+import ml_collections
+import numpy as np
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Dataset:
+  """What the trainer needs of a dataset. `rows` selects this process's slice of a batch."""
+  task: str                 # A key of zoo.tasks.TASKS: the models that consume it.
+  model_fields: dict        # Fields the model takes from the data, e.g. {'num_classes': 10}.
+  # (step, global_batch_size, rows) -> local batch; a pure function of seed and step.
+  train_batch: Callable[[int, int, slice], dict]
+  # (global_batch_size, rows) -> local eval batches covering the eval split once.
+  eval_batches: Callable[[int, slice], Iterator[dict]]
+  num_train: int            # Training examples (windows for text; unbounded if generated).
+  decode: Optional[Callable[[np.ndarray], str]] = None   # Token ids -> text (sequences).
+  encode: Optional[Callable[[str], np.ndarray]] = None   # Text -> token ids (LM only).
+
+
+def _no_check(data_config: ml_collections.ConfigDict) -> None:
+  del data_config
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSource:
+  """A kind of data that `config.data.name` names (see zoo.data.DATASETS)."""
+  load: Callable[[ml_collections.ConfigDict, int], Dataset]   # (config.data, seed) -> Dataset.
+  # Its task, so that a config is checked before loading; None: the file decides.
+  task: Optional[str]
+  # (config.data) -> None: checks its own fields before loading; raises through errors.fail.
+  check_config: Callable[[ml_collections.ConfigDict], None] = _no_check
+
+
+def epoch_order(seed: int, num_examples: int, step: int, global_batch_size: int) -> np.ndarray:
+  """Example indices of the global batch at `step`: a fresh permutation per epoch.
+
+  Each epoch drops its last partial batch, so every step sees a full batch of
+  distinct examples on every process.
+  """
+  steps_per_epoch = num_examples // global_batch_size
+  epoch, index = divmod(step, steps_per_epoch)
+  perm = np.random.default_rng([seed, epoch]).permutation(num_examples)
+  return perm[index * global_batch_size:(index + 1) * global_batch_size]
+
+
+def padded_batches(arrays: dict, global_batch_size: int, rows: slice) -> Iterator[dict]:
+  """Slices `arrays` (equal lengths) into global batches, zero-padding the last one.
+
+  Yields this process's rows of each batch with a `weights` field, 0 on padding,
+  so every eval example counts exactly once on every mesh.
+  """
+  n = len(next(iter(arrays.values())))
+  for start in range(0, n, global_batch_size):
+    idx = np.arange(start, start + global_batch_size)[rows]
+    valid = idx < n
+    idx = np.where(valid, idx, 0)
+    batch = {k: v[idx] for k, v in arrays.items()}
+    batch['weights'] = valid.astype(np.float32)
+    yield batch
+
+
+def arrays_dataset(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
+                   y_test: np.ndarray, seed: int, num_classes: int) -> Dataset:
+  """A classification Dataset over in-memory arrays: a fresh permutation per epoch."""
+  def train_batch(step, global_batch_size, rows):
+    idx = epoch_order(seed, len(y_train), step, global_batch_size)[rows]
+    return {'inputs': x_train[idx], 'targets': y_train[idx]}
+
+  def eval_batches(global_batch_size, rows):
+    return padded_batches({'inputs': x_test, 'targets': y_test}, global_batch_size, rows)
+
+  return Dataset(task='classification', model_fields={'num_classes': num_classes},
+                 train_batch=train_batch, eval_batches=eval_batches, num_train=len(y_train))
+
+
+def token_windows(train: np.ndarray, held_out: np.ndarray, seq_len: int, seed: int,
+                  vocab_size: int, decode: Callable, encode: Optional[Callable] = None) -> Dataset:
+  """A language-modelling Dataset over two 1-D token arrays.
+
+  Training windows start at random positions, a function of (seed, step); eval windows
+  tile the held-out tokens without overlap.
+  """
+  window = seq_len + 1
+
+  def train_batch(step, global_batch_size, rows):
+    starts = np.random.default_rng([seed, step]).integers(
+        0, len(train) - window + 1, size=global_batch_size)[rows]
+    w = train[starts[:, None] + np.arange(window)]
+    return {'inputs': w[:, :-1], 'targets': w[:, 1:]}
+
+  def eval_batches(global_batch_size, rows):
+    n = len(held_out) // window
+    w = held_out[:n * window].reshape(n, window)
+    return padded_batches({'inputs': w[:, :-1], 'targets': w[:, 1:]}, global_batch_size, rows)
+
+  return Dataset(task='lm', model_fields={'vocab_size': vocab_size},
+                 train_batch=train_batch, eval_batches=eval_batches,
+                 num_train=len(train) // window, decode=decode, encode=encode)

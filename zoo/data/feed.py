@@ -1,0 +1,105 @@
+"""From a dataset's rows to global arrays on the devices: which rows this process builds,
+their assembly into global jax.Arrays, and prefetching on a background thread."""
+import itertools
+import queue
+import threading
+from typing import Callable, Iterator
+
+import jax
+
+from zoo.data.dataset import Dataset
+from zoo.errors import ConfigError
+
+
+def process_rows(batch_sharding: jax.sharding.NamedSharding, global_batch_size: int) -> slice:
+  """The contiguous rows of a global batch that this process's devices hold."""
+  indices = batch_sharding.addressable_devices_indices_map((global_batch_size,)).values()
+  starts = [idx[0].start or 0 for idx in indices]
+  stops = [global_batch_size if idx[0].stop is None else idx[0].stop for idx in indices]
+  rows = slice(min(starts), max(stops))
+  covered = sum(s1 - s0 for s0, s1 in sorted(set(zip(starts, stops))))
+  if covered != rows.stop - rows.start:
+    raise ConfigError(f'config.mesh.shape: this process holds non-contiguous rows of the batch '
+                      f'{sorted(set(zip(starts, stops)))}; choose a shape whose batch axis gives '
+                      'each process one block of rows')
+  return rows
+
+
+def to_global(local_batch: dict, batch_sharding: jax.sharding.NamedSharding,
+              global_batch_size: int) -> dict:
+  """Global jax.Arrays from this process's rows of every field of a batch."""
+  def one(x):
+    return jax.make_array_from_process_local_data(
+        batch_sharding, x, (global_batch_size,) + x.shape[1:])
+  return jax.tree.map(one, local_batch)
+
+
+def train_batches(dataset: Dataset, batch_sharding: jax.sharding.NamedSharding,
+                  global_batch_size: int) -> Callable[[int], dict]:
+  """step -> the global train batch of that step, built from this process's rows."""
+  rows = process_rows(batch_sharding, global_batch_size)
+  return lambda step: to_global(dataset.train_batch(step, global_batch_size, rows), batch_sharding,
+                                global_batch_size)
+
+
+def eval_batches(dataset: Dataset, batch_sharding: jax.sharding.NamedSharding,
+                 global_batch_size: int, max_batches: int = 0) -> Iterator[dict]:
+  """The global eval batches (the first `max_batches`; 0: all), each example once."""
+  rows = process_rows(batch_sharding, global_batch_size)
+  for local in itertools.islice(dataset.eval_batches(global_batch_size, rows), max_batches or None):
+    yield to_global(local, batch_sharding, global_batch_size)
+
+
+class Prefetch:
+  """`make(step)` for steps [start, stop), built `depth` steps ahead on a background thread.
+
+  Assembling a batch on the host and copying it onto the devices then overlap the steps
+  that run before it, and go on while the loop waits to log, evaluate or save. `get`
+  returns the batches in step order and re-raises the thread's error. depth 0 builds
+  each batch when it is asked for.
+  """
+
+  def __init__(self, make: Callable[[int], dict], start: int, stop: int, depth: int):
+    self._make, self._depth = make, depth
+    self._queue = queue.Queue(maxsize=max(depth, 1))
+    self._closed = threading.Event()
+    self._thread = None
+    if depth:
+      self._thread = threading.Thread(target=self._fill, args=(start, stop), daemon=True,
+                                      name='zoo-prefetch')
+      self._thread.start()
+
+  def _fill(self, start, stop):
+    for step in range(start, stop):
+      try:
+        item = (step, self._make(step))
+      except BaseException as e:  # pylint: disable=broad-except
+        item = (step, e)
+      while not self._closed.is_set():
+        try:
+          self._queue.put(item, timeout=0.1)
+          break
+        except queue.Full:
+          continue
+      if self._closed.is_set() or isinstance(item[1], BaseException):
+        return
+
+  def get(self, step: int) -> dict:
+    if not self._depth:
+      return self._make(step)
+    while True:
+      try:
+        got, batch = self._queue.get(timeout=1.0)
+        break
+      except queue.Empty:
+        if not self._thread.is_alive() and self._queue.empty():  # Its last put may be late.
+          raise RuntimeError(f'the prefetch thread stopped before step {step}') from None
+    if isinstance(batch, BaseException):
+      raise batch
+    assert got == step, f'prefetched step {got}, expected {step}'
+    return batch
+
+  def close(self) -> None:
+    self._closed.set()
+    if self._thread is not None:
+      self._thread.join(timeout=10)

@@ -1,0 +1,137 @@
+"""The train state and the pure, jitted functions over it: train step, eval step, state check.
+
+Every function here is traced under the Setup's scope (mesh + logical axis rules), so the
+model's activation constraints are kept; the jit_* helpers bind a Setup's shardings.
+"""
+import functools
+from typing import TYPE_CHECKING, Any, Callable
+
+import flax
+import flax.linen as nn
+from flax.training import train_state
+import jax
+import jax.numpy as jnp
+import optax
+
+from zoo import checkpoint
+from zoo.tasks import Task
+
+if TYPE_CHECKING:
+  from zoo.setup import Setup
+
+# Variable collections a model updates as it trains (BatchNorm's running statistics):
+# they live in the train state, are sharded like any state and are checkpointed.
+STATE_COLLECTIONS = ('batch_stats',)
+
+
+class TrainState(train_state.TrainState):
+  """Flax's TrainState plus the model's mutable collections (empty for most models)."""
+  model_state: Any = flax.struct.field(default_factory=dict)
+
+
+def state_initializer(model: nn.Module, optimizer: optax.GradientTransformation, task: Task,
+                      example_batch: dict) -> Callable[[jax.Array], TrainState]:
+  """rng -> a fresh TrainState whose leaves are nn.Partitioned boxes with logical axis names."""
+  def init_state(rng):
+    variables = model.init({'params': rng, 'dropout': rng}, *task.model_inputs(example_batch))
+    return TrainState.create(
+        apply_fn=model.apply, params=variables['params'], tx=optimizer,
+        model_state={k: variables[k] for k in STATE_COLLECTIONS if k in variables})
+  return init_state
+
+
+def loss(params: Any, state: TrainState, batch: dict, rng: jax.Array,
+         task: Task) -> tuple[jax.Array, dict]:
+  """Mean cross-entropy of a batch, and the model state the forward pass updated."""
+  logits, model_state = state.apply_fn(
+      {'params': params, **state.model_state}, *task.model_inputs(batch), train=True,
+      rngs={'dropout': rng}, mutable=list(state.model_state))
+  mean = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), batch['targets']).mean()
+  return mean, model_state
+
+
+def _microbatches(x, k):
+  """[B, ...] -> [k, B/k, ...], microbatch i = rows i, i+k, ...: each keeps every shard's share."""
+  x = jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
+  return nn.with_logical_constraint(x, (None, 'act_batch') + (None,) * (x.ndim - 2))
+
+
+def train_step(state: TrainState, batch: dict, rng: jax.Array, task: Task,
+               microbatches: int = 1) -> tuple[TrainState, dict]:
+  """One optimizer step on a global batch; returns the new state, the loss and the
+  gradient norm (computed once, for the metric and for optim.clip_by_global_norm). The
+  loop adds the parameter norm (check_state, a separate program) only at the steps it
+  logs, evaluates or saves.
+
+  Dropout keys derive from (rng, step), so a resumed run draws the same masks. With
+  `microbatches` k > 1 the batch's gradient is the mean of k microbatch gradients,
+  accumulated in float32 under `lax.scan`: activations of one microbatch live at a time.
+  """
+  rng = jax.random.fold_in(rng, state.step)
+  grad_fn = jax.value_and_grad(functools.partial(loss, task=task), has_aux=True)
+  if microbatches == 1:
+    (mean_loss, model_state), grads = grad_fn(state.params, state, batch, rng)
+  else:
+    def accumulate(carry, xs):
+      loss_sum, grad_sum, model_state = carry
+      index, micro = xs
+      micro_state = state.replace(model_state=model_state)
+      (micro_loss, model_state), grads = grad_fn(state.params, micro_state, micro,
+                                                 jax.random.fold_in(rng, index))
+      grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
+      return (loss_sum + micro_loss, grad_sum, model_state), None
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    micro = jax.tree.map(lambda x: _microbatches(x, microbatches), batch)
+    (mean_loss, grads, model_state), _ = jax.lax.scan(
+        accumulate, (jnp.zeros((), jnp.float32), zeros, state.model_state),
+        (jnp.arange(microbatches), micro))
+    mean_loss = mean_loss / microbatches
+    grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, state.params)
+  grad_norm = optax.tree.norm(grads)
+  updates, opt_state = state.tx.update(grads, state.opt_state, state.params, grad_norm=grad_norm)
+  params = optax.apply_updates(state.params, updates)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                            model_state=model_state)
+  return new_state, {'train/loss': mean_loss, 'train/grad_norm': grad_norm}
+
+
+def eval_step(state: TrainState, batch: dict, task: Task) -> dict:
+  """Sums over a batch of loss, correct predictions, weight (per token for sequences) and
+  exactly matched examples (every position right); the task turns them into metrics."""
+  logits = state.apply_fn({'params': state.params, **state.model_state},
+                          *task.model_inputs(batch)).astype(jnp.float32)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
+  weights = jnp.broadcast_to(
+      batch['weights'].reshape(batch['weights'].shape + (1,) * (losses.ndim - 1)), losses.shape)
+  correct = jnp.argmax(logits, axis=-1) == batch['targets']
+  exact = correct.reshape(correct.shape[0], -1).all(axis=1)
+  return {'loss': (losses * weights).sum(), 'correct': (correct * weights).sum(),
+          'weight': weights.sum(), 'exact': (exact * batch['weights']).sum(),
+          'examples': batch['weights'].sum()}
+
+
+def check_state(state: TrainState) -> dict:
+  """The parameter norm, and whether everything a checkpoint saves is finite."""
+  finite = [jnp.isfinite(x).all() for x in jax.tree.leaves(checkpoint.saved_tree(state))]
+  return {'train/param_norm': optax.tree.norm(state.params),
+          'state_finite': jnp.stack(finite).all()}
+
+
+def jit_train_step(setup: 'Setup') -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+  """(state, batch) -> (state, metrics), jitted with the Setup's shardings; the state is
+  donated and dropout's base key bound in."""
+  step = functools.partial(train_step, rng=setup.dropout_rng, task=setup.task,
+                           microbatches=setup.config.train.microbatches)
+  return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
+                 out_shardings=(setup.state_shardings, None), donate_argnums=0)
+
+
+def jit_eval_step(setup: 'Setup') -> Callable[[TrainState, dict], dict]:
+  return jax.jit(functools.partial(eval_step, task=setup.task),
+                 in_shardings=(setup.state_shardings, setup.batch_sharding))
+
+
+def jit_check_state(setup: 'Setup') -> Callable[[TrainState], dict]:
+  # check_state is looked up when this is called, so tests can replace it.
+  return jax.jit(check_state, in_shardings=(setup.state_shardings,))

@@ -1,0 +1,126 @@
+"""Tasks: what a model's inputs are, how eval sums become metrics, what a step trains on.
+
+A model family names its task (zoo.models), and so does a dataset (zoo.data); the
+trainer reaches task semantics only through these objects:
+- `inputs`: the batch fields the model takes, in order;
+- `metrics(sums)`: eval metrics from the summed outputs of zoo.steps.eval_step;
+- `tokens(batch)`: the tokens a train batch trains on (sequence tasks), for tokens/s;
+- `eval_sampler(setup)`: what an eval shows besides metrics (the LM's sample, logged and
+  written to TensorBoard).
+"""
+import functools
+import math
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+if TYPE_CHECKING:
+  from zoo.metrics import MetricWriter
+  from zoo.setup import Setup
+
+
+class Task:
+  """Classification: eval loss and accuracy; the base of the sequence tasks."""
+  name = 'classification'
+  inputs = ('inputs',)
+  sequences = False   # Targets are token sequences: a train step trains on every token.
+
+  def model_inputs(self, batch: dict) -> list:
+    return [batch[k] for k in self.inputs]
+
+  def metrics(self, sums: dict) -> dict:
+    """Loss and accuracy (per token for sequences) from eval_step's sums over the split."""
+    return {'eval/loss': float(sums['loss'] / sums['weight']),
+            'eval/accuracy': float(sums['correct'] / sums['weight'])}
+
+  def tokens(self, batch: dict) -> Optional[int]:
+    return math.prod(batch['targets'].shape) if self.sequences else None
+
+  def eval_sampler(self, setup: 'Setup') -> Optional[Callable[[Any, int, 'MetricWriter'], None]]:
+    """(params, step, writer) -> None, run after each eval's metrics are written; None:
+    the task shows nothing else."""
+    del setup
+    return None
+
+
+class LanguageModel(Task):
+  """Next-token prediction; eval adds bits per character and a sample."""
+  name = 'lm'
+  sequences = True
+
+  def metrics(self, sums: dict) -> dict:
+    result = super().metrics(sums)
+    result['eval/bits_per_char'] = result['eval/loss'] / math.log(2)
+    return result
+
+  def eval_sampler(self, setup: 'Setup') -> Callable[[Any, int, 'MetricWriter'], None]:
+    """Continues the first quarter of the first held-out window (the same on every
+    process), logs `sample at step N: prompt -> continuation` and writes it as text."""
+    tokens = next(iter(setup.dataset.eval_batches(1, slice(0, 1))))['inputs']  # [1, seq_len]
+    prompt_len = tokens.shape[1] // 4
+    replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
+    gen = jax.jit(functools.partial(generate, setup.model.apply, prompt_len=prompt_len,
+                                    window=setup.model.max_len,
+                                    temperature=setup.config.eval.sample_temperature),
+                  out_shardings=replicated)
+
+    def sample(params, step, writer):
+      rng = jax.random.fold_in(jax.random.key(setup.config.seed), step)
+      out = np.asarray(gen({'params': params}, tokens, rng=rng))
+      prompt, text = (setup.dataset.decode(out[0, :prompt_len]),
+                      setup.dataset.decode(out[0, prompt_len:]))
+      logging.info('sample at step %d: %r -> %r', step, prompt, text)
+      writer.text(step, 'eval/sample', prompt + ' -> ' + text)
+    return sample
+
+
+class Seq2Seq(Task):
+  """A target sequence from a source (teacher forcing); eval adds exact match.
+
+  Exact match is the fraction of examples whose every target token is the argmax under
+  teacher forcing: exactly the fraction that greedy decoding gets entirely right, since
+  each greedy step then sees the true prefix.
+  """
+  name = 'seq2seq'
+  inputs = ('inputs', 'decoder_inputs')
+  sequences = True
+
+  def metrics(self, sums: dict) -> dict:
+    result = super().metrics(sums)
+    result['eval/exact_match'] = float(sums['exact'] / sums['examples'])
+    return result
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Task(), LanguageModel(), Seq2Seq())}
+
+
+def generate(apply_fn: Callable, variables: dict, tokens_BT: jax.Array, prompt_len: int,
+             rng: jax.Array, window: int, temperature: float = 1.0, top_k: int = 0) -> jax.Array:
+  """Fills tokens_BT[:, prompt_len:] one token at a time, reading the last `window` tokens.
+
+  temperature 0 is greedy; top_k > 0 samples among the k likeliest tokens. Beyond
+  `window` (the model's max_len) the context slides. Recomputes the window per token
+  (no KV cache): fine for samples of a few hundred characters. Jit it with
+  `prompt_len`, `window`, `temperature` and `top_k` static.
+  """
+  total = tokens_BT.shape[1]
+  window = min(window, total)
+
+  def body(t, tokens_BT):
+    start = jnp.clip(t - window, 0, total - window)
+    context_BW = jax.lax.dynamic_slice_in_dim(tokens_BT, start, window, axis=1)
+    logits_BW_V = apply_fn(variables, context_BW)
+    logits_BV = jax.lax.dynamic_index_in_dim(logits_BW_V, t - 1 - start, axis=1, keepdims=False)
+    if temperature == 0:
+      next_B = jnp.argmax(logits_BV, axis=-1)
+    else:
+      logits_BV = logits_BV / temperature
+      if top_k:
+        kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth_B1, -1e30, logits_BV)
+      next_B = jax.random.categorical(jax.random.fold_in(rng, t), logits_BV)
+    return tokens_BT.at[:, t].set(next_B.astype(tokens_BT.dtype))
+  return jax.lax.fori_loop(prompt_len, total, body, tokens_BT)
