@@ -85,8 +85,8 @@ class Trainer:
     self.setup = setup.build(config, self.dataset)  # What train.train_and_evaluate builds.
     self.mesh, self.rules, self.model = self.setup.mesh, self.setup.rules, self.setup.model
     self.shardings = self.setup.state_shardings
-    self.train_batch = feed.train_batches(self.dataset, self.setup.batch_sharding,
-                                          config.train.batch_size)
+    self.train_batch = feed.TrainBatches(self.dataset, self.setup.batch_sharding,
+                                         config.train.batch_size)
     with self.scope():
       self.initial = self.setup.create_state()
       self.state = self.initial

@@ -35,7 +35,7 @@ def test_smoke_trains_and_writes_outputs(name, tmp_path, devices):
   metric, reached = EXPERIMENTS[name]
   assert last['step'] == config.train.steps and reached(last[metric]), last
   train_row = [r for r in rows if 'train/loss' in r][-1]
-  for key in ('perf/step_time_s', 'perf/examples_per_s', 'perf/flops_per_step', 'perf/mfu',
+  for key in ('perf/step_time_s', 'perf/data_wait_s', 'perf/examples_per_s', 'perf/flops_per_step', 'perf/mfu',
               'train/grad_norm', 'train/param_norm', 'train/learning_rate'):
     assert key in train_row
   assert train_row['perf/mfu'] > 0 and train_row['perf/flops_per_step'] > 0

@@ -25,6 +25,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.name = 'digits'
   c.data.path = ''                        # text: a UTF-8 file (empty: bundled); npz: required.
   c.data.prefetch = 2                     # Train batches built and put on devices ahead (0: none).
+  c.data.augment = ''                     # records: 'crop', 'flip' or 'crop,flip'; '': none.
+  c.data.workers = 0                      # records: decoding processes (0: the prefetch thread).
   c.mesh = ml_collections.ConfigDict()
   c.mesh.axes = sharding.MESH_AXES
   c.mesh.shape = (-1, 1)                  # One entry may be -1: filled from the device count.
@@ -176,6 +178,11 @@ def validate_with_data(config: ml_collections.ConfigDict, dataset: Dataset) -> N
   if dataset.task != family.task:
     fail('data.path', f'{config.data.path} holds {dataset.task} data but model '
          f'{config.model.name!r} trains on {family.task} data; pick a matching model or file')
+  for key, needed in dataset.model_fields.items():
+    if key in config.model and config.model[key] < needed:
+      source = config.data.get('path') or config.data.name
+      fail(f'model.{key}', f'{config.model[key]} is smaller than the {needed} that the data '
+           f'({source}) needs; leave model.{key} out to take the data\'s, or give data that fits')
   if config.train.batch_size > dataset.num_train:
     fail('train.batch_size', f'{config.train.batch_size} exceeds the {dataset.num_train} '
          f'training examples of {config.data.name!r}')

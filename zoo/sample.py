@@ -68,7 +68,7 @@ def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, str]:
   if name not in models.MODELS or models.MODELS[name].task != tasks.LanguageModel.name:
     raise ConfigError(f'--workdir: {workdir} trained model {name!r}, not a language model; '
                       'sampling needs a transformer_lm run')
-  if config.data.get('path') and not os.path.isfile(config.data.path):
+  if config.data.get('path') and not os.path.exists(config.data.path):
     raise ConfigError(f'--workdir: the run trained on data.path={config.data.path}, not found from '
                       f'{os.getcwd()}; run from the directory that training ran in')
   directory = checkpoint.directory_of(workdir)
@@ -78,7 +78,8 @@ def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, str]:
 
 
 def encode_prompt(dataset: Dataset, prompt: str, vocab_size: int) -> np.ndarray:
-  """Token ids [T] of the prompt: characters, or for data without them, ids separated by spaces."""
+  """Token ids [T] of the prompt, by the data's own encoding (characters, or a token
+  dataset's tokenizer); for data without one, ids separated by spaces."""
   if dataset.encode is None:
     try:
       ids = np.array([int(t) for t in prompt.split()], dtype=np.int32)
@@ -89,7 +90,9 @@ def encode_prompt(dataset: Dataset, prompt: str, vocab_size: int) -> np.ndarray:
       raise ConfigError(f'--prompt: token ids must be in [0, {vocab_size})')
     return ids
   ids = dataset.encode(prompt)
-  unknown = sorted({c for c, i in zip(prompt, ids) if dataset.decode(np.array([i])) != c})
+  if dataset.decode(ids) == prompt:
+    return ids
+  unknown = sorted({c for c in prompt if dataset.decode(dataset.encode(c)) != c})
   if unknown:
     raise ConfigError(f'--prompt: characters not in the model\'s vocabulary of {vocab_size}: '
                       f'{", ".join(map(repr, unknown))}; leave them out')

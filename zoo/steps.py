@@ -97,8 +97,9 @@ def train_step(state: TrainState, batch: dict, rng: jax.Array, task: Task,
 
 
 def eval_step(state: TrainState, batch: dict, task: Task) -> dict:
-  """Sums over a batch of loss, correct predictions, weight (per token for sequences) and
-  exactly matched examples (every position right); the task turns them into metrics."""
+  """Sums over a batch of loss, correct predictions, weight (per token for sequences),
+  exactly matched examples (every position right) and, where the batch has them, the
+  targets' UTF-8 bytes; the task turns them into metrics."""
   logits = state.apply_fn({'params': state.params, **state.model_state},
                           *task.model_inputs(batch)).astype(jnp.float32)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
@@ -106,9 +107,12 @@ def eval_step(state: TrainState, batch: dict, task: Task) -> dict:
       batch['weights'].reshape(batch['weights'].shape + (1,) * (losses.ndim - 1)), losses.shape)
   correct = jnp.argmax(logits, axis=-1) == batch['targets']
   exact = correct.reshape(correct.shape[0], -1).all(axis=1)
-  return {'loss': (losses * weights).sum(), 'correct': (correct * weights).sum(),
+  sums = {'loss': (losses * weights).sum(), 'correct': (correct * weights).sum(),
           'weight': weights.sum(), 'exact': (exact * batch['weights']).sum(),
           'examples': batch['weights'].sum()}
+  if 'bytes' in batch:  # UTF-8 bytes of each target token: bits per byte.
+    sums['bytes'] = (batch['bytes'] * weights).sum()
+  return sums
 
 
 def check_state(state: TrainState) -> dict:

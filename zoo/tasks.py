@@ -3,7 +3,7 @@
 A model family names its task (zoo.models), and so does a dataset (zoo.data); the
 trainer reaches task semantics only through these objects:
 - `inputs`: the batch fields the model takes, in order;
-- `metrics(sums)`: eval metrics from the summed outputs of zoo.steps.eval_step;
+- `metrics(sums, dataset)`: eval metrics from the summed outputs of zoo.steps.eval_step;
 - `tokens(batch)`: the tokens a train batch trains on (sequence tasks), for tokens/s;
 - `eval_sampler(setup)`: what an eval shows besides metrics (the LM's sample, logged and
   written to TensorBoard).
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 if TYPE_CHECKING:
+  from zoo.data.dataset import Dataset
   from zoo.metrics import MetricWriter
   from zoo.setup import Setup
 
@@ -31,8 +32,9 @@ class Task:
   def model_inputs(self, batch: dict) -> list:
     return [batch[k] for k in self.inputs]
 
-  def metrics(self, sums: dict) -> dict:
+  def metrics(self, sums: dict, dataset: 'Dataset') -> dict:
     """Loss and accuracy (per token for sequences) from eval_step's sums over the split."""
+    del dataset
     return {'eval/loss': float(sums['loss'] / sums['weight']),
             'eval/accuracy': float(sums['correct'] / sums['weight'])}
 
@@ -47,13 +49,16 @@ class Task:
 
 
 class LanguageModel(Task):
-  """Next-token prediction; eval adds bits per character and a sample."""
+  """Next-token prediction; eval adds bits per token (per character for character text),
+  bits per byte where the data knows each token's UTF-8 bytes, and a sample."""
   name = 'lm'
   sequences = True
 
-  def metrics(self, sums: dict) -> dict:
-    result = super().metrics(sums)
-    result['eval/bits_per_char'] = result['eval/loss'] / math.log(2)
+  def metrics(self, sums: dict, dataset: 'Dataset') -> dict:
+    result = super().metrics(sums, dataset)
+    result[f'eval/bits_per_{dataset.token_unit}'] = result['eval/loss'] / math.log(2)
+    if 'bytes' in sums:  # Every target's bits over every target's bytes.
+      result['eval/bits_per_byte'] = float(sums['loss'] / math.log(2) / sums['bytes'])
     return result
 
   def eval_sampler(self, setup: 'Setup') -> Callable[[Any, int, 'MetricWriter'], None]:
@@ -88,8 +93,8 @@ class Seq2Seq(Task):
   inputs = ('inputs', 'decoder_inputs')
   sequences = True
 
-  def metrics(self, sums: dict) -> dict:
-    result = super().metrics(sums)
+  def metrics(self, sums: dict, dataset: 'Dataset') -> dict:
+    result = super().metrics(sums, dataset)
     result['eval/exact_match'] = float(sums['exact'] / sums['examples'])
     return result
 

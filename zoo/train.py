@@ -47,10 +47,17 @@ class Reporter:
     self.setup, self.writer, self.cost = setup, writer, cost
     self.sampler = setup.task.eval_sampler(setup)
     self.pending: Optional[tuple] = None
-    self.clock_time, self.clock_step = time.perf_counter(), start_step
+    self.clock_time, self.clock_step, self.data_wait = time.perf_counter(), start_step, 0.0
 
   def restart_clock(self, step: int) -> None:
-    self.clock_time, self.clock_step = time.perf_counter(), step
+    self.clock_time, self.clock_step, self.data_wait = time.perf_counter(), step, 0.0
+
+  def timed_wait(self, get_batch: Callable[[int], dict], step: int) -> dict:
+    """get_batch(step), adding the time the loop waited for it to perf/data_wait_s."""
+    t0 = time.perf_counter()
+    batch = get_batch(step)
+    self.data_wait += time.perf_counter() - t0
+    return batch
 
   def defer(self, step: int, step_metrics: dict, check: dict) -> None:
     self.pending = (step, step_metrics, check)
@@ -78,10 +85,12 @@ class Reporter:
     train = self.setup.config.train
     if not is_due(step, train.log_every_steps, train.steps):
       return
-    step_time = (time.perf_counter() - self.clock_time) / max(step - self.clock_step, 1)
+    steps_timed = max(step - self.clock_step, 1)
+    step_time = (time.perf_counter() - self.clock_time) / steps_timed
     cost = self.cost
     scalars.update({'train/learning_rate': self.setup.lr_schedule(step - 1),
                     'perf/step_time_s': step_time,
+                    'perf/data_wait_s': self.data_wait / steps_timed,
                     'perf/examples_per_s': train.batch_size / step_time,
                     'perf/flops_per_step': cost['model_flops']})
     if 'tokens' in cost:
@@ -109,7 +118,7 @@ def evaluate(eval_step: Callable, state: steps.TrainState, setup: setup_lib.Setu
                                  setup.config.eval.max_batches):
     out = eval_step(state, batch)
     sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
-  return setup.task.metrics(jax.device_get(sums))
+  return setup.task.metrics(jax.device_get(sums), setup.dataset)
 
 
 def compile_steps(setup: setup_lib.Setup, state: steps.TrainState) -> tuple:
@@ -160,14 +169,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps
     reporter = Reporter(setup, writer, cost, start)
     profile = profiling.Profile(config.profile.steps, workdir)
     cleanup.callback(profile.close)
-    batches = feed.Prefetch(feed.train_batches(setup.dataset, setup.batch_sharding,
-                                               config.train.batch_size),
-                            start, total, config.data.prefetch)
+    read_before = setup.dataset.examples_read() if setup.dataset.examples_read else 0
+    train_batches = feed.TrainBatches(setup.dataset, setup.batch_sharding,
+                                      config.train.batch_size, start)
+    cleanup.callback(train_batches.close)
+    batches = feed.Prefetch(train_batches, start, total, config.data.prefetch)
     cleanup.callback(batches.close)
     in_flight = collections.deque()  # Losses of dispatched steps, oldest first.
     for step in range(start, total):
       profile.before(step)
-      state, step_metrics = train_step(state, batches.get(step))
+      state, step_metrics = train_step(state, reporter.timed_wait(batches.get, step))
       profile.after(step + 1, state)
       in_flight.append(step_metrics['train/loss'])
       if len(in_flight) > MAX_STEPS_AHEAD:
@@ -188,4 +199,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps
         break
       if eval_due:
         reporter.evaluated(done, evaluate(eval_step, state, setup), state.params)
+    if setup.dataset.examples_read:  # Datasets read from files: what this process read.
+      logging.info('process %d read %d training examples for %d steps (and any prefetched)',
+                   jax.process_index(), setup.dataset.examples_read() - read_before,
+                   int(state.step) - start)
   return state

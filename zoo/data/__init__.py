@@ -6,7 +6,7 @@ zoo.data.feed turns their rows into global arrays on the devices.
 """
 import ml_collections
 
-from zoo.data import digits, npz, seq, text
+from zoo.data import digits, npz, records, seq, text, tokens
 from zoo.data.dataset import DataSource, Dataset
 
 DATASETS: dict[str, DataSource] = {
@@ -14,6 +14,8 @@ DATASETS: dict[str, DataSource] = {
     'text': text.SOURCE,
     'seq': seq.SOURCE,
     'npz': npz.SOURCE,
+    'tokens': tokens.SOURCE,
+    'records': records.SOURCE,
 }
 
 

@@ -7,10 +7,16 @@ data position of a run: resuming needs no iterator state, and every process comp
 same global batch order.
 """
 import dataclasses
+import json
+import os
 from typing import Callable, Iterator, Optional
 
 import ml_collections
 import numpy as np
+
+from zoo.errors import ConfigError
+
+METADATA = 'metadata.json'  # Written last into a prepared dataset's directory.
 
 
 
@@ -26,6 +32,16 @@ class Dataset:
   num_train: int            # Training examples (windows for text; unbounded if generated).
   decode: Optional[Callable[[np.ndarray], str]] = None   # Token ids -> text (sequences).
   encode: Optional[Callable[[str], np.ndarray]] = None   # Text -> token ids (LM only).
+  # What one token of a language dataset is: eval reports bits per `token_unit` ('char' for
+  # character text, 'token' for a tokenizer's); eval batches with a `bytes` field (UTF-8
+  # bytes per target) add bits per byte.
+  token_unit: str = 'char'
+  # (start step, global_batch_size, rows) -> this process's batches of steps start, start+1,
+  # ...: the same batches as train_batch, built ahead (e.g. in worker processes); None: by
+  # train_batch, one step at a time.
+  train_iterator: Optional[Callable[[int, int, slice], Iterator[dict]]] = None
+  # -> training examples this process has read so far (datasets read from files).
+  examples_read: Optional[Callable[[], int]] = None
 
 
 def _no_check(data_config: ml_collections.ConfigDict) -> None:
@@ -42,6 +58,33 @@ class DataSource:
   check_config: Callable[[ml_collections.ConfigDict], None] = _no_check
 
 
+def read_metadata(path: str, fmt: str, version: int, kind: str) -> dict:
+  """The metadata.json of a dataset directory that `python -m zoo.prepare <kind>` wrote in
+  format `fmt`, `version`; ConfigError naming config.data.path and the fix."""
+  prepare = f'`python -m zoo.prepare {kind}`'
+  if not os.path.isdir(path):
+    raise ConfigError(f'config.data.path: {path} is not a directory; give a dataset that '
+                      f'{prepare} wrote')
+  meta_path = os.path.join(path, METADATA)
+  if not os.path.isfile(meta_path):
+    raise ConfigError(f'config.data.path: {path} has no {METADATA}: it is not a prepared '
+                      f'dataset, or its preparation did not finish; run {prepare} again')
+  try:
+    with open(meta_path, encoding='utf-8') as f:
+      meta = json.load(f)
+  except ValueError as e:
+    raise ConfigError(f'config.data.path: {meta_path} is not valid JSON ({e}); prepare the '
+                      'dataset again') from None
+  if meta.get('format') != fmt:
+    raise ConfigError(f'config.data.path: {path} holds {meta.get("format")!r} data, not '
+                      f'{fmt!r}; give a directory that {prepare} wrote')
+  if meta.get('version') != version:
+    raise ConfigError(f'config.data.path: {path} was prepared by format version '
+                      f'{meta.get("version")}, but this zoo reads version {version}; prepare it '
+                      'again with this zoo')
+  return meta
+
+
 def epoch_order(seed: int, num_examples: int, step: int, global_batch_size: int) -> np.ndarray:
   """Example indices of the global batch at `step`: a fresh permutation per epoch.
 
@@ -54,20 +97,21 @@ def epoch_order(seed: int, num_examples: int, step: int, global_batch_size: int)
   return perm[index * global_batch_size:(index + 1) * global_batch_size]
 
 
-def padded_batches(arrays: dict, global_batch_size: int, rows: slice) -> Iterator[dict]:
-  """Slices `arrays` (equal lengths) into global batches, zero-padding the last one.
-
-  Yields this process's rows of each batch with a `weights` field, 0 on padding,
-  so every eval example counts exactly once on every mesh.
-  """
-  n = len(next(iter(arrays.values())))
+def padded_rows(n: int, global_batch_size: int, rows: slice) -> Iterator[tuple]:
+  """Example indices of eval batches over n examples, this process's rows of each: yields
+  (indices, weights), the last batch padded with index 0 and weight 0, so every example
+  counts exactly once on every mesh."""
   for start in range(0, n, global_batch_size):
     idx = np.arange(start, start + global_batch_size)[rows]
     valid = idx < n
-    idx = np.where(valid, idx, 0)
-    batch = {k: v[idx] for k, v in arrays.items()}
-    batch['weights'] = valid.astype(np.float32)
-    yield batch
+    yield np.where(valid, idx, 0), valid.astype(np.float32)
+
+
+def padded_batches(arrays: dict, global_batch_size: int, rows: slice) -> Iterator[dict]:
+  """Eval batches of in-memory `arrays` (equal lengths), with `weights` (see padded_rows)."""
+  n = len(next(iter(arrays.values())))
+  for idx, weights in padded_rows(n, global_batch_size, rows):
+    yield {**{k: v[idx] for k, v in arrays.items()}, 'weights': weights}
 
 
 def arrays_dataset(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,

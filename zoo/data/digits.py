@@ -2,6 +2,8 @@
 
 Split once with a fixed seed, independent of the run's seed: 1,437 train, 360 test.
 """
+import os
+
 import ml_collections
 import numpy as np
 
@@ -20,6 +22,21 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
   perm = np.random.default_rng(SPLIT_SEED).permutation(len(y))
   train, test = perm[NUM_TEST:], perm[:NUM_TEST]
   return arrays_dataset(x[train], y[train], x[test], y[test], seed, num_classes=10)
+
+
+def write_image_folder(root: str) -> None:
+  """The digits as 8x8 grayscale PNGs in an image-folder tree, ROOT/{train,val}/<digit>/,
+  split as `load` splits them (for `python -m zoo.prepare images`)."""
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
+  digits = load_digits()
+  pixels = np.round(digits.images * (255 / 16)).astype(np.uint8)
+  perm = np.random.default_rng(SPLIT_SEED).permutation(len(pixels))
+  for split, indices in (('train', perm[NUM_TEST:]), ('val', perm[:NUM_TEST])):
+    for i in indices:
+      folder = os.path.join(root, split, str(digits.target[i]))
+      os.makedirs(folder, exist_ok=True)
+      Image.fromarray(pixels[i], mode='L').save(os.path.join(folder, f'{i:04d}.png'))
 
 
 SOURCE = DataSource(load, task='classification')

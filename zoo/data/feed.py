@@ -34,12 +34,31 @@ def to_global(local_batch: dict, batch_sharding: jax.sharding.NamedSharding,
   return jax.tree.map(one, local_batch)
 
 
-def train_batches(dataset: Dataset, batch_sharding: jax.sharding.NamedSharding,
-                  global_batch_size: int) -> Callable[[int], dict]:
-  """step -> the global train batch of that step, built from this process's rows."""
-  rows = process_rows(batch_sharding, global_batch_size)
-  return lambda step: to_global(dataset.train_batch(step, global_batch_size, rows), batch_sharding,
-                                global_batch_size)
+class TrainBatches:
+  """step -> the global train batch of that step, built from this process's rows; asked
+  for in step order from `start` when the dataset builds its batches ahead
+  (Dataset.train_iterator, e.g. in worker processes). `close` stops those workers."""
+
+  def __init__(self, dataset: Dataset, batch_sharding: jax.sharding.NamedSharding,
+               global_batch_size: int, start: int = 0):
+    self.dataset, self.sharding, self.size = dataset, batch_sharding, global_batch_size
+    self.rows = process_rows(batch_sharding, global_batch_size)
+    self.next_step, self.local = start, None
+    if dataset.train_iterator is not None:
+      self.local = dataset.train_iterator(start, global_batch_size, self.rows)
+
+  def __call__(self, step: int) -> dict:
+    if self.local is None:
+      local = self.dataset.train_batch(step, self.size, self.rows)
+    else:
+      assert step == self.next_step, f'asked for step {step}, the workers build {self.next_step}'
+      local = next(self.local)
+      self.next_step += 1
+    return to_global(local, self.sharding, self.size)
+
+  def close(self) -> None:
+    if hasattr(self.local, 'close'):
+      self.local.close()
 
 
 def eval_batches(dataset: Dataset, batch_sharding: jax.sharding.NamedSharding,

@@ -20,6 +20,7 @@ MODELS: dict[str, ModelFamily] = {
 
 
 def build(model_config: ml_collections.ConfigDict, **data_fields) -> nn.Module:
-  """The model named by `model_config.name`, with its fields plus the data's (e.g. num_classes)."""
+  """The model named by `model_config.name`, with its fields plus the data's (e.g. num_classes;
+  a field the config also sets, such as an imported model's vocab_size, keeps the config's)."""
   fields = {k: v for k, v in model_config.items() if k != 'name'}
-  return MODELS[model_config.name].module(**fields, **data_fields)
+  return MODELS[model_config.name].module(**{**data_fields, **fields})
