@@ -36,6 +36,8 @@ EXPERIMENTS = os.path.join(ROOT, 'experiments')
 from zoo.data import documents, tokens  # pylint: disable=wrong-import-position
 from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 
+import tables  # pylint: disable=wrong-import-position  # benchmarks/tables.py
+
 
 def _env():
   return {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_COMPILATION_CACHE_DIR')}
@@ -235,17 +237,6 @@ def prepare(root, stdlib_bpe):
            'prepare_s': prepare_s}]
 
 
-def _table(title, rows):
-  print(f'\n{title}')
-  keys = list(rows[0])
-  fmt = lambda v: f'{v:,.4g}' if isinstance(v, float) else str(v)
-  cells = [[fmt(r.get(k, '')) for k in keys] for r in rows]
-  widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-  print('  '.join(k.rjust(w) for k, w in zip(keys, widths)))
-  for c in cells:
-    print('  '.join(x.rjust(w) for x, w in zip(c, widths)))
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--out', default='data_bench.json')
@@ -267,7 +258,7 @@ def main():
       rows = fn()
       if rows:
         results[name] = rows
-        _table(name, rows)
+        tables.print_rows(name, rows)
         with open(args.out, 'w', encoding='utf-8') as f:
           json.dump(results, f, indent=2)
   print(f'\nwrote {args.out}')

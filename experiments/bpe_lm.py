@@ -14,6 +14,10 @@ the training files in about 5 s) averages 3.65 bytes per token. Eval reports bit
 over the whole validation split, the measure a byte-level model on the same files
 (`--config.data.path` of a `--tokenizer=bytes` preparation) is compared by.
 
+`:gpt2` trains the same model in GPT-2's layout (biases, tied embeddings, LayerNorm epsilon
+1e-5), which `python -m zoo.convert export` hands to transformers as a GPT2LMHeadModel (see
+experiments/finetune_lm.py).
+
 Expect: 1.63 validation bits per byte (5.77 bits per token) after 600 steps, about 11
 minutes on a 2-core CPU (one device, whole command; the README's results table has the
 byte-level model on the same files). `:smoke`: seconds, on any token
@@ -23,8 +27,9 @@ from zoo.config import base_config
 
 
 def get_config(arg=None):
-  if arg not in (None, 'smoke'):
-    raise ValueError(f'unknown variant {arg!r} of bpe_lm; known: smoke')
+  variants = set(arg.split(',')) if arg else set()
+  if variants - {'smoke', 'gpt2'}:
+    raise ValueError(f'unknown variant {arg!r} of bpe_lm; known: smoke, gpt2 (e.g. smoke,gpt2)')
   c = base_config()
   c.model.name = 'transformer_lm'
   c.model.num_layers = 4
@@ -52,7 +57,9 @@ def get_config(arg=None):
   c.eval.max_batches = 0         # The whole validation split.
   c.eval.sample_temperature = 0.8
   c.checkpoint.every_steps = 200
-  if arg == 'smoke':
+  if 'gpt2' in variants:  # GPT-2's layout: zoo.convert exports it for transformers.
+    c.model.update(use_bias=True, tie_embeddings=True, norm_epsilon=1e-5)
+  if 'smoke' in variants:
     c.model.update(num_layers=2, d_model=64, mlp_dim=128, max_len=32)
     c.data.seq_len = 32
     c.train.update(steps=40, batch_size=16, log_every_steps=10)

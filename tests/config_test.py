@@ -58,6 +58,11 @@ BAD_INPUTS = {
     'negative prefetch': ({'data.prefetch': -1}, r'config\.data\.prefetch: must be >= 0 \(0: no prefetching\), got -1'),
     'negative peak': ({'perf.peak_flops_per_device': -1.0},
                       r'config\.perf\.peak_flops_per_device: must be >= 0 \(0: look it up or measure it\), got -1\.0'),
+    'kv heads do not divide': ({'model.num_kv_heads': 3}, r'config\.model\.num_kv_heads: 3 does not divide model\.num_heads=8', 'char_lm'),
+    'unknown norm': ({'model.norm': 'batch'}, r"config\.model\.norm: unknown norm 'batch'; known: layer, rms", 'char_lm'),
+    'unknown activation': ({'model.mlp_activation': 'relu'}, r"config\.model\.mlp_activation: unknown mlp_activation 'relu'; known: gelu, gelu_exact, swiglu", 'char_lm'),
+    'unknown attention': ({'model.attention': 'flash'}, r"config\.model\.attention: unknown attention 'flash'; known: xla, cudnn", 'char_lm'),
+    'zero rope theta': ({'model.rope_theta': 0.0}, r'config\.model\.rope_theta: must be positive, got 0\.0', 'char_lm'),
     'init_from missing': ({'checkpoint.init_from': '/nonexistent/run'},
                           r'config\.checkpoint\.init_from: /nonexistent/run is not a directory'),
 }

@@ -1,4 +1,6 @@
-"""`python -m zoo.sample`: the same text on any mesh, greedy = top-1, seeds, every bad input."""
+"""`python -m zoo.sample`: the same text on any mesh, greedy = top-1, seeds, the key/value
+cache against recomputing, every bad input."""
+import json
 import os
 import subprocess
 import sys
@@ -109,3 +111,52 @@ def test_cli_rejects_a_run_that_is_not_a_language_model(tmp_path):
   _assert_one_line_error(run_sample(f'--workdir={tmp_path}'),
                          "--workdir: " + str(tmp_path) + " trained model 'mlp', not a language model")
   assert sorted(os.listdir(tmp_path)) == ['config.json']
+
+
+def test_the_cache_gives_the_tokens_of_recomputing(lm_workdir, devices):
+  """Greedy, temperature and top-k/top-p samples: the key/value cache (prefill, then a token
+  per step) picks exactly the tokens that recomputing every window picks."""
+  del devices
+  for options in ({'temperature': 0.0}, {'temperature': 0.8, 'top_k': 20, 'top_p': 0.9}):
+    cached, recomputed = (sample.generate(lm_workdir, ['The ', 'dict'], 20, num_samples=2, seed=5,
+                                          decoding=d, **options) for d in ('cache', 'recompute'))
+    assert [s['ids'] for s in cached] == [s['ids'] for s in recomputed], options
+    assert len(set(map(str, (s['ids'] for s in cached)))) > 1  # The rows differ.
+
+
+def test_prompts_of_different_lengths_share_a_batch(lm_workdir, devices):
+  """Left-padded in one batch, each prompt continues exactly as it does alone."""
+  del devices
+  prompts = ['A', 'The result of ', 'x = ']
+  batch = sample.generate(lm_workdir, prompts, 12, temperature=0.0)
+  alone = [sample.generate(lm_workdir, [p], 12, temperature=0.0)[0] for p in prompts]
+  assert [s['ids'] for s in batch] == [s['ids'] for s in alone]
+  assert [s['prompt'] for s in batch] == prompts
+  with pytest.raises(ConfigError, match=r'--prompt: prompts of different lengths are decoded with '
+                                        r'the key/value cache'):
+    sample.generate(lm_workdir, prompts, 40, temperature=0.0)  # Past max_len 32: no cache.
+
+
+def test_top_p_keeps_the_likeliest_tokens_that_reach_p():
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from zoo import decode  # pylint: disable=import-outside-toplevel
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  drawn = {int(decode.choose(logits, jax_key(i), 1.0, top_p=0.75)[0]) for i in range(200)}
+  assert drawn == {0, 1}  # 0.5 < 0.75 needs the second; 0.8 reaches it.
+  drawn = {int(decode.choose(logits, jax_key(i), 1.0, top_p=0.81)[0]) for i in range(200)}
+  assert drawn == {0, 1, 2}
+
+
+def jax_key(i):
+  import jax  # pylint: disable=import-outside-toplevel
+  return jax.random.key(i)
+
+
+def test_json_format_prints_one_object_per_sample(lm_workdir):
+  result = run_sample(f'--workdir={lm_workdir}', '--prompt=The ', '--prompt=A', '--num_tokens=5',
+                      '--num_samples=2', '--format=json', '--temperature=0')
+  assert result.returncode == 0, result.stderr[-3000:]
+  rows = [json.loads(line) for line in result.stdout.splitlines()]
+  assert [r['prompt'] for r in rows] == ['The ', 'The ', 'A', 'A']
+  assert all(set(r) == {'prompt', 'text', 'prompt_ids', 'ids'} and len(r['ids']) == 5 for r in rows)
+  assert rows[0]['prompt_ids'] == rows[1]['prompt_ids'] and len(rows[0]['prompt_ids']) == 4

@@ -23,6 +23,12 @@ MODELS = {
     'transformer_lm': ('char_lm', {}),
     'transformer_lm_scan': ('char_lm', {'model.scan_layers': True, 'model.positions': 'rotary'}),
     'encoder_decoder': ('seq_sort', {}),
+    # Published layouts (zoo.hf): GPT-2, Llama with grouped-query attention, HF's ViT.
+    'transformer_lm_gpt2': ('char_lm', {'model.use_bias': True, 'model.tie_embeddings': True,
+                                        'model.norm_epsilon': 1e-5}),
+    'transformer_lm_llama': ('char_lm', {'model.positions': 'rotary', 'model.norm': 'rms',
+                                         'model.mlp_activation': 'swiglu', 'model.num_kv_heads': 2}),
+    'vit_hf': ('vit_digits', {'model.use_bias': True, 'model.mlp_activation': 'gelu_exact'}),
 }
 
 

@@ -25,6 +25,7 @@ LOGICAL_AXES = {
     'embed': (None, 'model width (d_model); the input features of an MLP'),
     'mlp': ('model', 'hidden units of an MLP block (Megatron: split over model)'),
     'heads': ('model', 'attention heads (Megatron: split over model)'),
+    'kv_heads': ('model', 'key/value heads of grouped-query attention (fewer than heads)'),
     'kv': (None, 'size of one attention head'),
     'vocab': ('model', 'vocabulary of a language model (padded to a multiple of 128)'),
     'classes': (None, 'output classes of a classifier (few, so replicated)'),
@@ -38,6 +39,7 @@ LOGICAL_AXES = {
     'act_embed': (None, 'model width'),
     'act_mlp': ('model', 'hidden units of an MLP block'),
     'act_heads': ('model', 'attention heads'),
+    'act_kv_heads': ('model', 'key/value heads of grouped-query attention'),
     'act_kv': (None, 'size of one attention head'),
     'act_vocab': ('model', 'logits over the vocabulary'),
     'act_classes': (None, 'logits over the classes'),
@@ -79,6 +81,17 @@ def batch_mesh_axes(rules: Sequence) -> tuple:
   return mesh_axes_of(nn.logical_to_mesh_axes(('act_batch',), rules_tuple(rules))[0])
 
 
+def parse_mesh_shape(text: str, axes: Sequence[str], num_devices: int,
+                     field: str = '--mesh_shape') -> tuple:
+  """A command line's mesh shape, '1,8' or '-1,1', checked against the devices present."""
+  try:
+    shape = tuple(int(s) for s in text.split(','))
+  except ValueError:
+    raise ConfigError(f'{field}: {text!r} is not comma-separated integers, e.g. '
+                      f"'1,{num_devices}'") from None
+  return check_mesh_shape(shape, axes, num_devices, field=field)
+
+
 def check_mesh_shape(shape: Sequence[int], axes: Sequence[str], num_devices: int,
                      field: str = 'config.mesh.shape',
                      dcn_shape: Optional[Sequence[int]] = None) -> tuple:
@@ -114,6 +127,19 @@ def check_mesh_shape(shape: Sequence[int], axes: Sequence[str], num_devices: int
     raise ConfigError(f'config.mesh.dcn_shape: {dcn} does not divide the mesh shape {resolved}; '
                       'each axis size must be a multiple of its number of slices')
   return resolved
+
+
+def fit_rules(logical_params: Any, mesh: jax.sharding.Mesh, rules: Sequence) -> tuple:
+  """`rules`, with every logical axis that some parameter cannot split over `mesh` (its
+  dimension does not divide) replicated instead: how a model whose sizes were chosen
+  elsewhere (an imported one, a sample on another mesh) still goes on any mesh."""
+  rules = rules_tuple(rules)
+  while True:
+    bad = {name for row in param_table(logical_params, mesh, rules)
+           for name, shard in zip(row['logical_axes'], row['shard_shape']) if shard is None}
+    if not bad:
+      return rules
+    rules = tuple((name, None if name in bad else axis) for name, axis in rules)
 
 
 def per_device_bytes(tree: Any) -> int:

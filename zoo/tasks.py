@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from absl import logging
 import jax
-import jax.numpy as jnp
 import numpy as np
+
+from zoo import decode
 
 if TYPE_CHECKING:
   from zoo.data.dataset import Dataset
@@ -67,7 +68,7 @@ class LanguageModel(Task):
     tokens = next(iter(setup.dataset.eval_batches(1, slice(0, 1))))['inputs']  # [1, seq_len]
     prompt_len = tokens.shape[1] // 4
     replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-    gen = jax.jit(functools.partial(generate, setup.model.apply, prompt_len=prompt_len,
+    gen = jax.jit(functools.partial(decode.generate, setup.model.apply, prompt_len=prompt_len,
                                     window=setup.model.max_len,
                                     temperature=setup.config.eval.sample_temperature),
                   out_shardings=replicated)
@@ -100,32 +101,3 @@ class Seq2Seq(Task):
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (Task(), LanguageModel(), Seq2Seq())}
-
-
-def generate(apply_fn: Callable, variables: dict, tokens_BT: jax.Array, prompt_len: int,
-             rng: jax.Array, window: int, temperature: float = 1.0, top_k: int = 0) -> jax.Array:
-  """Fills tokens_BT[:, prompt_len:] one token at a time, reading the last `window` tokens.
-
-  temperature 0 is greedy; top_k > 0 samples among the k likeliest tokens. Beyond
-  `window` (the model's max_len) the context slides. Recomputes the window per token
-  (no KV cache): fine for samples of a few hundred characters. Jit it with
-  `prompt_len`, `window`, `temperature` and `top_k` static.
-  """
-  total = tokens_BT.shape[1]
-  window = min(window, total)
-
-  def body(t, tokens_BT):
-    start = jnp.clip(t - window, 0, total - window)
-    context_BW = jax.lax.dynamic_slice_in_dim(tokens_BT, start, window, axis=1)
-    logits_BW_V = apply_fn(variables, context_BW)
-    logits_BV = jax.lax.dynamic_index_in_dim(logits_BW_V, t - 1 - start, axis=1, keepdims=False)
-    if temperature == 0:
-      next_B = jnp.argmax(logits_BV, axis=-1)
-    else:
-      logits_BV = logits_BV / temperature
-      if top_k:
-        kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
-        logits_BV = jnp.where(logits_BV < kth_B1, -1e30, logits_BV)
-      next_B = jax.random.categorical(jax.random.fold_in(rng, t), logits_BV)
-    return tokens_BT.at[:, t].set(next_B.astype(tokens_BT.dtype))
-  return jax.lax.fori_loop(prompt_len, total, body, tokens_BT)

@@ -19,7 +19,6 @@ from zoo.errors import ConfigError
 METADATA = 'metadata.json'  # Written last into a prepared dataset's directory.
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Dataset:
   """What the trainer needs of a dataset. `rows` selects this process's slice of a batch."""

@@ -176,6 +176,27 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
                  token_unit='token', examples_read=lambda: train.windows_read)
 
 
+def tokenizer_dataset(path: str, vocab_size: int, seq_len: int) -> Dataset:
+  """A language 'dataset' with a tokenizer and no text: what an imported model without
+  training data is sampled through (its shapes; encode and decode)."""
+  tokenizer = tokenizer_lib.load(path, 'tokenizer.json', 'give the tokenizer.json the model '
+                                 'was imported with')
+
+  def train_batch(step, global_batch_size, rows):
+    del step
+    size = len(range(global_batch_size)[rows])
+    return {'inputs': np.zeros((size, seq_len), np.int32),
+            'targets': np.zeros((size, seq_len), np.int32)}
+
+  return Dataset(task='lm', model_fields={'vocab_size': vocab_size}, train_batch=train_batch,
+                 eval_batches=lambda global_batch_size, rows: iter(()), num_train=0,
+                 decode=lambda ids: tokenizer.decode([int(i) for i in ids],
+                                                     skip_special_tokens=False),
+                 encode=lambda text: np.array(tokenizer.encode(text, add_special_tokens=False).ids,
+                                              np.int32),
+                 token_unit='token')
+
+
 def check_config(data_config: ml_collections.ConfigDict) -> None:
   if not data_config.get('path'):
     fail('data.path', 'is empty; give the directory that `python -m zoo.prepare text` wrote')

@@ -31,11 +31,11 @@ class EncoderDecoder(transformer.Transformer, kw_only=True):
 
     enc_BMD = transformer.blocks(self, embed(inputs_BM, 'encoder_pos'), prefix='encoder_block',
                                  train=train, rotary=rotary)
-    enc_BMD = transformer.layer_norm('encoder_ln', self.dtype)(enc_BMD)
+    enc_BMD = transformer.norm(self, 'encoder_ln')(enc_BMD)
     x_BLD = transformer.blocks(self, embed(decoder_inputs_BL, 'decoder_pos'), enc_BMD,
                                prefix='decoder_block', train=train, causal=True, cross=True,
                                rotary=rotary)
-    x_BLD = transformer.layer_norm('decoder_ln', self.dtype)(x_BLD)
+    x_BLD = transformer.norm(self, 'decoder_ln')(x_BLD)
     return layers.vocab_logits(self, x_BLD, self.vocab_size, self.dtype)
 
 

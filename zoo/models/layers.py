@@ -3,7 +3,7 @@
 Model code names parameter axes with logical names (see zoo.sharding); these helpers
 attach them, so a family file never spells out `nn.with_logical_partitioning` itself.
 """
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -53,10 +53,15 @@ def embedding_table(module: nn.Module, vocab_size: int, d_model: int, dtype: Any
   return param(module, 'embed', (padded_vocab_size(vocab_size), d_model), ('vocab', 'embed'), dtype)
 
 
-def vocab_logits(module: nn.Module, x_BLD: jax.Array, vocab_size: int, dtype: Any) -> jax.Array:
-  """Float32 logits over the padded vocabulary; padding ids get -1e30 (never sampled)."""
+def vocab_logits(module: nn.Module, x_BLD: jax.Array, vocab_size: int, dtype: Any,
+                 embed_VD: Optional[jax.Array] = None) -> jax.Array:
+  """Float32 logits over the padded vocabulary, by a 'head' [D, V] or, tied, the embedding
+  table `embed_VD`; padding ids get -1e30 (never sampled)."""
   vocab = padded_vocab_size(vocab_size)
-  head_DV = param(module, 'head', (x_BLD.shape[-1], vocab), ('embed', 'vocab'), dtype)
-  logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, head_DV, preferred_element_type=jnp.float32)
+  if embed_VD is None:
+    head_DV = param(module, 'head', (x_BLD.shape[-1], vocab), ('embed', 'vocab'), dtype)
+    logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, head_DV, preferred_element_type=jnp.float32)
+  else:
+    logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, embed_VD, preferred_element_type=jnp.float32)
   logits_BLV = nn.with_logical_constraint(logits_BLV, ('act_batch', 'act_len', 'act_vocab'))
   return jnp.where(jnp.arange(vocab) < vocab_size, logits_BLV, -1e30)

@@ -13,15 +13,30 @@ mesh axis (Megatron-LM, arXiv:1909.08053). The switches every Transformer family
   normalisation statistics and the loss run in float32;
 - `dropout_rate`: dropout on the embeddings and each residual branch, keyed per step;
 - `positions`: 'learned' (a table of max_len rows) or 'rotary' (RoFormer, Su et al.,
-  arXiv:2104.09864: rotates queries and keys in self-attention, no parameters).
+  arXiv:2104.09864: rotates queries and keys in self-attention, no parameters), with
+  `rope_theta` its base;
+- the switches that published architectures differ by: `num_kv_heads` < num_heads is
+  grouped-query attention (Ainslie et al., arXiv:2305.13245; keys and values are never
+  repeated), `head_dim`, `norm` ('layer': LayerNorm with bias, or 'rms': RMSNorm) and
+  `norm_epsilon`, `mlp_activation` ('gelu' with the tanh approximation, 'gelu_exact', or
+  'swiglu': SiLU-gated, Shazeer arXiv:2002.05202), `use_bias` (biases on every projection);
+  GPT-2, Llama and HF's ViT are settings of these (zoo/convert.py);
+- `attention`: the implementation jax.nn.dot_product_attention uses, 'xla' or 'cudnn'
+  (fused, on NVIDIA GPUs).
 
-Shapes are suffixed: B batch, L (M) query (key) length, D d_model, H heads, K head
-size, F MLP units. Parameters are our own einsum weights rather than nn.DenseGeneral:
-flax issue #3676 breaks 3-D kernels with logical partitioning under a mesh.
+With `decode=True` a model keeps a key/value cache of `max_len` positions in the 'cache'
+collection, sharded over heads like the activations, and appends to it: a prompt's
+prefill, then one token per call (zoo.decode).
+
+Shapes are suffixed: B batch, L (M) query (key) length, D d_model, N heads, G key/value
+heads, H head size, F MLP units, S cache positions. Parameters are our own einsum
+weights rather than nn.DenseGeneral: flax issue #3676 breaks 3-D kernels with logical
+partitioning under a mesh.
 
 The families subclass `Transformer`, which declares these switches and the sizes once
 (their `config.model` keys), and check them with `check_config`.
 """
+import dataclasses
 from typing import Optional, Sequence
 
 import flax.linen as nn
@@ -41,34 +56,63 @@ REMAT_POLICIES = {
 }
 DTYPES = ('float32', 'bfloat16')
 POSITIONS = ('learned', 'rotary')
+NORMS = ('layer', 'rms')
+MLP_ACTIVATIONS = ('gelu', 'gelu_exact', 'swiglu')
+ATTENTION = ('xla', 'cudnn')
 
 
 class Transformer(nn.Module):
   """The sizes and switches of every Transformer family; subclasses add their own fields
-  (declared with `kw_only=True`) and a `__call__`."""
+  (declared with `kw_only=True`) and a `__call__`. The defaults are zoo's own layout."""
   num_layers: int
   d_model: int
   num_heads: int
   mlp_dim: int
+  num_kv_heads: int = 0          # 0: num_heads (multi-head attention).
+  head_dim: int = 0              # 0: d_model // num_heads.
+  norm: str = 'layer'
+  norm_epsilon: float = 1e-6
+  mlp_activation: str = 'gelu'
+  use_bias: bool = False
+  rope_theta: float = 10000.0
+  attention: str = 'xla'
   scan_layers: bool = False
   remat: str = 'none'
   dtype: str = 'float32'
   dropout_rate: float = 0.0
+  decode: bool = False           # Keep and extend a key/value cache (zoo.decode).
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def head_size(self) -> int:
+    return self.head_dim or self.d_model // self.num_heads
 
 
 def check_config(m: ml_collections.ConfigDict) -> None:
   """The Transformer families' sizes and switches (config.model)."""
-  if m.d_model % m.num_heads:
+  if not m.get('head_dim') and m.d_model % m.num_heads:
     fail('model.num_heads', f'{m.num_heads} does not divide model.d_model={m.d_model}')
-  choices = {'remat': tuple(REMAT_POLICIES), 'dtype': DTYPES, 'positions': POSITIONS}
+  if m.get('num_kv_heads') and m.num_heads % m.num_kv_heads:
+    fail('model.num_kv_heads', f'{m.num_kv_heads} does not divide model.num_heads='
+         f'{m.num_heads}; grouped-query attention needs whole groups')
+  choices = {'remat': tuple(REMAT_POLICIES), 'dtype': DTYPES, 'positions': POSITIONS,
+             'norm': NORMS, 'mlp_activation': MLP_ACTIVATIONS, 'attention': ATTENTION}
   for key, known in choices.items():
     if key in m and m[key] not in known:
       fail(f'model.{key}', f'unknown {key} {m[key]!r}; known: {", ".join(known)}')
-  if m.get('positions') == 'rotary' and (m.d_model // m.num_heads) % 2:
+  head = m.get('head_dim') or m.d_model // m.num_heads
+  if m.get('positions') == 'rotary' and head % 2:
     fail('model.positions', f'rotary positions need an even head size, got '
-         f'd_model/num_heads = {m.d_model // m.num_heads}')
+         f'd_model/num_heads = {head}' if not m.get('head_dim') else
+         f'rotary positions need an even head size, got model.head_dim = {head}')
   if not 0 <= m.get('dropout_rate', 0.0) < 1:
     fail('model.dropout_rate', f'must be in [0, 1), got {m.dropout_rate}')
+  for key in ('norm_epsilon', 'rope_theta'):
+    if key in m and not m[key] > 0:
+      fail(f'model.{key}', f'must be positive, got {m[key]}')
 
 
 def check_lengths(m: ml_collections.ConfigDict, inputs: Sequence[np.ndarray]) -> None:
@@ -78,67 +122,156 @@ def check_lengths(m: ml_collections.ConfigDict, inputs: Sequence[np.ndarray]) ->
     fail('model.max_len', f'{m.max_len} is shorter than the {needed} positions of the data')
 
 
-def layer_norm(name: str, dtype: str) -> nn.LayerNorm:
-  return nn.LayerNorm(name=name, dtype=dtype,
-                      scale_init=partitioned(nn.initializers.ones_init(), ('embed',)),
+@dataclasses.dataclass(frozen=True)
+class Spec:
+  """A Transformer's sizes and switches as a plain value, for its blocks (a module field
+  that is itself a Module would become a submodule)."""
+  num_heads: int
+  kv_heads: int
+  head_size: int
+  mlp_dim: int
+  norm: str
+  norm_epsilon: float
+  mlp_activation: str
+  use_bias: bool
+  rope_theta: float
+  attention: str
+  dtype: str
+  dropout_rate: float
+  decode: bool
+
+  @classmethod
+  def of(cls, module: Transformer) -> 'Spec':
+    return cls(**{f.name: getattr(module, f.name) for f in dataclasses.fields(cls)})
+
+
+def norm(module: 'Transformer | Spec', name: str) -> nn.Module:
+  """The module's normalisation layer: LayerNorm (scale and bias) or RMSNorm (scale)."""
+  scale = partitioned(nn.initializers.ones_init(), ('embed',))
+  if module.norm == 'rms':
+    return nn.RMSNorm(name=name, dtype=module.dtype, epsilon=module.norm_epsilon, scale_init=scale)
+  return nn.LayerNorm(name=name, dtype=module.dtype, epsilon=module.norm_epsilon, scale_init=scale,
                       bias_init=partitioned(nn.initializers.zeros_init(), ('embed',)))
 
 
-def rotate(x_BLHK: jax.Array) -> jax.Array:
-  """Rotary position embedding: pairs of features turn by position-dependent angles."""
-  half = x_BLHK.shape[-1] // 2
-  freq_K = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
-  angle_LK = jnp.arange(x_BLHK.shape[1], dtype=jnp.float32)[:, None] * freq_K
-  cos, sin = jnp.cos(angle_LK)[:, None], jnp.sin(angle_LK)[:, None]  # [L, 1, K/2]
-  x1, x2 = jnp.split(x_BLHK.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLHK.dtype)
+def rotate(x_BLNH: jax.Array, positions_BL: jax.Array, theta: float = 10000.0) -> jax.Array:
+  """Rotary position embedding: pairs of features (i, i + H/2) turn by the angle
+  position / theta^(2i/H), Hugging Face's `rotate_half` layout."""
+  half = x_BLNH.shape[-1] // 2
+  freq_H = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
+  angle_BLH = positions_BL.astype(jnp.float32)[..., None] * freq_H
+  cos, sin = jnp.cos(angle_BLH)[:, :, None], jnp.sin(angle_BLH)[:, :, None]  # [B, L, 1, H/2]
+  x1, x2 = jnp.split(x_BLNH.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLNH.dtype)
 
 
 class Attention(nn.Module):
-  """Multi-head attention: self-attention, or cross-attention to `context_BMD`."""
+  """Multi-head or grouped-query attention: self-attention, or cross-attention to
+  `context_BMD`, through jax.nn.dot_product_attention."""
   num_heads: int
+  num_kv_heads: int
   head_dim: int
   causal: bool = False
   rotary: bool = False
+  rope_theta: float = 10000.0
+  use_bias: bool = False
+  implementation: str = 'xla'
   dtype: str = 'float32'
+  decode: bool = False
+  cache_length: int = 0
+
+  def _project(self, name, y_BLD, heads, axes, act):
+    w_DNH = param(self, name, (y_BLD.shape[-1], heads, self.head_dim), axes, self.dtype)
+    y_BLNH = jnp.einsum('BLD,DNH->BLNH', y_BLD, w_DNH)
+    if self.use_bias:
+      y_BLNH = y_BLNH + param(self, f'{name}_bias', (heads, self.head_dim), axes[1:], self.dtype,
+                              nn.initializers.zeros_init())
+    return nn.with_logical_constraint(y_BLNH, act)
 
   @nn.compact
-  def __call__(self, x_BLD, context_BMD=None):
+  def __call__(self, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None,
+               positions_BL: Optional[jax.Array] = None,
+               start_B: Optional[jax.Array] = None) -> jax.Array:
     kv_BMD = x_BLD if context_BMD is None else context_BMD
     d_model = x_BLD.shape[-1]
-    shape, axes = (d_model, self.num_heads, self.head_dim), ('embed', 'heads', 'kv')
+    grouped = self.num_kv_heads != self.num_heads
     act = ('act_batch', 'act_len', 'act_heads', 'act_kv')
-    project = lambda name, y: nn.with_logical_constraint(
-        jnp.einsum('BLD,DHK->BLHK', y, param(self, name, shape, axes, self.dtype)), act)
-    q_BLHK = project('query', x_BLD)
-    k_BMHK, v_BMHK = project('key', kv_BMD), project('value', kv_BMD)
+    kv_act = ('act_batch', 'act_len', 'act_kv_heads' if grouped else 'act_heads', 'act_kv')
+    kv_axes = ('embed', 'kv_heads' if grouped else 'heads', 'kv')
+    q_BLNH = self._project('query', x_BLD, self.num_heads, ('embed', 'heads', 'kv'), act)
+    k_BMGH = self._project('key', kv_BMD, self.num_kv_heads, kv_axes, kv_act)
+    v_BMGH = self._project('value', kv_BMD, self.num_kv_heads, kv_axes, kv_act)
+    if positions_BL is None:
+      positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
     if self.rotary:
-      q_BLHK, k_BMHK = rotate(q_BLHK), rotate(k_BMHK)
-    logits_BHLM = jnp.einsum('BLHK,BMHK->BHLM', q_BLHK, k_BMHK, preferred_element_type=jnp.float32)
-    logits_BHLM = logits_BHLM / jnp.sqrt(self.head_dim).astype(jnp.float32)
-    if self.causal:
-      length = x_BLD.shape[1]
-      logits_BHLM = jnp.where(jnp.tril(jnp.ones((length, length), bool)), logits_BHLM, -1e30)
-    probs_BHLM = jax.nn.softmax(logits_BHLM, axis=-1).astype(v_BMHK.dtype)
-    out_BLHK = nn.with_logical_constraint(jnp.einsum('BHLM,BMHK->BLHK', probs_BHLM, v_BMHK), act)
-    w_out = param(self, 'out', (self.num_heads, self.head_dim, d_model), ('heads', 'kv', 'embed'),
+      q_BLNH = rotate(q_BLNH, positions_BL, self.rope_theta)
+      k_BMGH = rotate(k_BMGH, positions_BL, self.rope_theta)
+    mask, causal = None, self.causal
+    if self.decode:
+      k_BMGH, v_BMGH, mask = self._extend_cache(k_BMGH, v_BMGH, start_B, kv_act)
+      causal = False  # The cache mask is causal.
+    out_BLNH = jax.nn.dot_product_attention(q_BLNH, k_BMGH, v_BMGH, mask=mask, is_causal=causal,
+                                            implementation=self.implementation)
+    out_BLNH = nn.with_logical_constraint(out_BLNH, act)
+    w_NHD = param(self, 'out', (self.num_heads, self.head_dim, d_model), ('heads', 'kv', 'embed'),
                   self.dtype)
-    return jnp.einsum('BLHK,HKD->BLD', out_BLHK, w_out)
+    out_BLD = jnp.einsum('BLNH,NHD->BLD', out_BLNH, w_NHD)
+    if self.use_bias:
+      out_BLD = out_BLD + param(self, 'out_bias', (d_model,), ('embed',), self.dtype,
+                                nn.initializers.zeros_init())
+    return out_BLD
+
+  def _extend_cache(self, k_BLGH, v_BLGH, start_B, kv_act):
+    """Writes this call's keys and values at the cache's next positions; returns the whole
+    cache and the mask [B, 1, L, S]: a query sees its row's positions from start_B (left
+    padding before it) up to its own."""
+    batch, length = k_BLGH.shape[:2]
+    shape = (batch, self.cache_length, self.num_kv_heads, self.head_dim)
+    cached_k = self.variable('cache', 'key', jnp.zeros, shape, k_BLGH.dtype)
+    cached_v = self.variable('cache', 'value', jnp.zeros, shape, v_BLGH.dtype)
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    i = index.value
+    cached_k.value = nn.with_logical_constraint(
+        jax.lax.dynamic_update_slice(cached_k.value, k_BLGH, (0, i, 0, 0)), kv_act)
+    cached_v.value = nn.with_logical_constraint(
+        jax.lax.dynamic_update_slice(cached_v.value, v_BLGH, (0, i, 0, 0)), kv_act)
+    index.value = i + length
+    if start_B is None:
+      start_B = jnp.zeros((batch,), jnp.int32)
+    slots_S = jnp.arange(self.cache_length)
+    query_L = i + jnp.arange(length)
+    mask_BLS = (slots_S[None, None, :] <= query_L[None, :, None]) & (
+        slots_S[None, None, :] >= start_B[:, None, None])
+    return cached_k.value, cached_v.value, mask_BLS[:, None]
 
 
 class MlpBlock(nn.Module):
-  """Two-layer GELU MLP; the hidden units are split over 'model'."""
+  """Two-layer MLP (GELU) or SiLU-gated one (SwiGLU); the hidden units are split over 'model'."""
   mlp_dim: int
+  activation: str = 'gelu'
+  use_bias: bool = False
   dtype: str = 'float32'
 
   @nn.compact
-  def __call__(self, x_BLD):
+  def __call__(self, x_BLD: jax.Array) -> jax.Array:
     d_model = x_BLD.shape[-1]
-    wi = param(self, 'wi', (d_model, self.mlp_dim), ('embed', 'mlp'), self.dtype)
-    h_BLF = nn.with_logical_constraint(nn.gelu(jnp.einsum('BLD,DF->BLF', x_BLD, wi)),
-                                       ('act_batch', 'act_len', 'act_mlp'))
-    wo = param(self, 'wo', (self.mlp_dim, d_model), ('mlp', 'embed'), self.dtype)
-    return jnp.einsum('BLF,FD->BLD', h_BLF, wo)
+    dense = lambda name, y, w_shape, axes: jnp.einsum(
+        'BLD,DF->BLF', y, param(self, name, w_shape, axes, self.dtype))
+    if self.activation == 'swiglu':
+      gate_BLF = dense('wi_gate', x_BLD, (d_model, self.mlp_dim), ('embed', 'mlp'))
+      h_BLF = nn.silu(gate_BLF) * dense('wi_up', x_BLD, (d_model, self.mlp_dim), ('embed', 'mlp'))
+    else:
+      h_BLF = dense('wi', x_BLD, (d_model, self.mlp_dim), ('embed', 'mlp'))
+      if self.use_bias:
+        h_BLF = h_BLF + param(self, 'wi_bias', (self.mlp_dim,), ('mlp',), self.dtype,
+                              nn.initializers.zeros_init())
+      h_BLF = nn.gelu(h_BLF, approximate=self.activation == 'gelu')
+    h_BLF = nn.with_logical_constraint(h_BLF, ('act_batch', 'act_len', 'act_mlp'))
+    out_BLD = dense('wo', h_BLF, (self.mlp_dim, d_model), ('mlp', 'embed'))
+    if self.use_bias:
+      out_BLD = out_BLD + param(self, 'wo_bias', (d_model,), ('embed',), self.dtype,
+                                nn.initializers.zeros_init())
+    return out_BLD
 
 
 class Block(nn.Module):
@@ -146,32 +279,37 @@ class Block(nn.Module):
 
   Returns (x, None) so that the same block runs unrolled or as the body of `nn.scan`.
   """
-  num_heads: int
-  mlp_dim: int
+  spec: Spec                 # The family's sizes and switches.
   causal: bool = False
   cross: bool = False
   rotary: bool = False
-  dtype: str = 'float32'
-  dropout_rate: float = 0.0
+  cache_length: int = 0
   deterministic: bool = True
 
   @nn.compact
-  def __call__(self, x_BLD, context_BMD=None):
-    head_dim = x_BLD.shape[-1] // self.num_heads
-    drop = lambda y: nn.Dropout(self.dropout_rate)(y, deterministic=self.deterministic)
-    x_BLD = x_BLD + drop(Attention(self.num_heads, head_dim, self.causal, self.rotary, self.dtype,
-                                   name='attn')(layer_norm('ln_attn', self.dtype)(x_BLD)))
+  def __call__(self, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None,
+               positions_BL: Optional[jax.Array] = None,
+               start_B: Optional[jax.Array] = None) -> tuple[jax.Array, None]:
+    s = self.spec
+    drop = lambda y: nn.Dropout(s.dropout_rate)(y, deterministic=self.deterministic)
+    attention = dict(num_heads=s.num_heads, head_dim=s.head_size, use_bias=s.use_bias,
+                     implementation=s.attention, dtype=s.dtype)
+    x_BLD = x_BLD + drop(Attention(
+        num_kv_heads=s.kv_heads, causal=self.causal, rotary=self.rotary, rope_theta=s.rope_theta,
+        decode=s.decode, cache_length=self.cache_length, **attention, name='attn')(
+            norm(s, 'ln_attn')(x_BLD), None, positions_BL, start_B))
     if self.cross:
-      x_BLD = x_BLD + drop(Attention(self.num_heads, head_dim, dtype=self.dtype, name='cross_attn')(
-          layer_norm('ln_cross', self.dtype)(x_BLD), context_BMD))
-    x_BLD = x_BLD + drop(MlpBlock(self.mlp_dim, self.dtype, name='mlp')(
-        layer_norm('ln_mlp', self.dtype)(x_BLD)))
+      x_BLD = x_BLD + drop(Attention(num_kv_heads=s.num_heads, **attention, name='cross_attn')(
+          norm(s, 'ln_cross')(x_BLD), context_BMD))
+    x_BLD = x_BLD + drop(MlpBlock(s.mlp_dim, s.mlp_activation, s.use_bias, s.dtype, name='mlp')(
+        norm(s, 'ln_mlp')(x_BLD)))
     return nn.with_logical_constraint(x_BLD, ('act_batch', 'act_len', 'act_embed')), None
 
 
 def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None, *,
            prefix: str, train: bool, causal: bool = False, cross: bool = False,
-           rotary: bool = False) -> jax.Array:
+           rotary: bool = False, positions_BL: Optional[jax.Array] = None,
+           start_B: Optional[jax.Array] = None, cache_length: int = 0) -> jax.Array:
   """Runs `module.num_layers` Blocks, unrolled (`{prefix}_{i}`) or under nn.scan (`{prefix}s`).
 
   Call inside the `nn.compact` method of a Transformer `module`: the blocks become its
@@ -182,26 +320,29 @@ def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Arra
   if policy is not None:
     # Under scan, the loop already keeps XLA from merging the recomputation away.
     cls = nn.remat(Block, policy=policy, prevent_cse=not module.scan_layers)
-  fields = dict(num_heads=module.num_heads, mlp_dim=module.mlp_dim, causal=causal, cross=cross,
-                rotary=rotary, dtype=module.dtype, dropout_rate=module.dropout_rate,
-                deterministic=not train)
+  fields = dict(spec=Spec.of(module), causal=causal, cross=cross, rotary=rotary,
+                cache_length=cache_length, deterministic=not train)
+  extra = (context_BMD, positions_BL, start_B)  # The same for every block.
   if module.scan_layers:
-    stack = nn.scan(cls, variable_axes={'params': 0}, split_rngs={'params': True, 'dropout': True},
-                    in_axes=(nn.broadcast,), length=module.num_layers,
+    stack = nn.scan(cls, variable_axes={'params': 0, 'cache': 0},
+                    split_rngs={'params': True, 'dropout': True},
+                    in_axes=(nn.broadcast,) * len(extra), length=module.num_layers,
                     metadata_params={nn.PARTITION_NAME: 'layers'})
-    x_BLD, _ = stack(**fields, name=f'{prefix}s')(x_BLD, context_BMD)
+    x_BLD, _ = stack(**fields, name=f'{prefix}s')(x_BLD, *extra)
     return x_BLD
   for i in range(module.num_layers):
-    x_BLD, _ = cls(**fields, name=f'{prefix}_{i}')(x_BLD, context_BMD)
+    x_BLD, _ = cls(**fields, name=f'{prefix}_{i}')(x_BLD, *extra)
   return x_BLD
 
 
-def embed_positions(module: nn.Module, x_BLD: jax.Array, positions: str, max_len: int, name: str,
-                    train: bool) -> jax.Array:
+def embed_positions(module: Transformer, x_BLD: jax.Array, positions: str, max_len: int,
+                    name: str, train: bool, positions_BL: Optional[jax.Array] = None) -> jax.Array:
   """Adds a learned position table ('learned'; rotary positions act inside attention), then
-  dropout; the result is pinned to the activation layout of a block's input."""
+  dropout; the result is pinned to the activation layout of a block's input. A decoding
+  model passes each token's position (`positions_BL`)."""
   if positions != 'rotary':
     pos_LD = param(module, name, (max_len, x_BLD.shape[-1]), ('len', 'embed'), module.dtype)
-    x_BLD = x_BLD + pos_LD[:x_BLD.shape[1]]
+    x_BLD = x_BLD + (pos_LD[:x_BLD.shape[1]] if positions_BL is None else
+                     jnp.take(pos_LD, positions_BL, axis=0))
   x_BLD = nn.Dropout(module.dropout_rate)(x_BLD, deterministic=not train)
   return nn.with_logical_constraint(x_BLD, ('act_batch', 'act_len', 'act_embed'))

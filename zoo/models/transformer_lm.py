@@ -4,6 +4,8 @@ References: Vaswani et al., 2017 (arXiv:1706.03762); Radford et al., 2019 (GPT-2
 The layers and their switches (scan, remat, bf16, dropout, rotary) are in
 zoo.models.transformer. Shapes are suffixed: B batch, L length, D d_model, V padded vocab.
 """
+from typing import Optional
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -13,33 +15,47 @@ from zoo.models.family import ModelFamily
 
 
 class TransformerLM(transformer.Transformer, kw_only=True):
-  """Token ids [B, L] -> next-token logits [B, L, padded vocab] in float32."""
+  """Token ids [B, L] -> next-token logits [B, L, padded vocab] in float32.
+
+  GPT-2 is learned positions, LayerNorm, 'gelu', use_bias and tie_embeddings; Llama is
+  rotary positions, 'rms', 'swiglu', num_kv_heads and an untied head (zoo.convert).
+  """
   vocab_size: int
   max_len: int
   positions: str = 'learned'
+  tie_embeddings: bool = False   # The output head is the embedding table, transposed.
 
   @nn.compact
-  def __call__(self, tokens_BL: jax.Array, train: bool = False) -> jax.Array:
+  def __call__(self, tokens_BL: jax.Array, train: bool = False,
+               positions_BL: Optional[jax.Array] = None,
+               start_B: Optional[jax.Array] = None) -> jax.Array:
+    """With `decode=True`, `positions_BL` are the tokens' positions and `start_B` each row's
+    first cache position (left padding before it); see zoo.decode."""
     embed_VD = layers.embedding_table(self, self.vocab_size, self.d_model, self.dtype)
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0)
     # Tests take gradients with respect to the embedded inputs here (see transformer_test.py).
     x_BLD = self.perturb('embedded', x_BLD)
     x_BLD = transformer.embed_positions(self, x_BLD, self.positions, self.max_len, 'pos_embed',
-                                        train)
+                                        train, positions_BL)
     x_BLD = transformer.blocks(self, x_BLD, prefix='block', train=train, causal=True,
-                               rotary=self.positions == 'rotary')
-    x_BLD = transformer.layer_norm('ln_final', self.dtype)(x_BLD)
-    return layers.vocab_logits(self, x_BLD, self.vocab_size, self.dtype)
+                               rotary=self.positions == 'rotary', positions_BL=positions_BL,
+                               start_B=start_B, cache_length=self.max_len)
+    x_BLD = transformer.norm(self, 'ln_final')(x_BLD)
+    return layers.vocab_logits(self, x_BLD, self.vocab_size, self.dtype,
+                               embed_VD if self.tie_embeddings else None)
 
 
 def train_flops(model: TransformerLM, batch_size: int, seq_len: int) -> int:
-  """Analytic train-step FLOPs (zoo.perf's conventions): 6 N tokens + 12 layers len d_model
-  tokens, N the parameters of the matmuls (blocks and output head)."""
-  d, f = model.d_model, model.mlp_dim
-  matmul_params = (model.num_layers * (4 * d * d + 2 * d * f)
+  """Analytic train-step FLOPs (zoo.perf's conventions): 6 N tokens + 12 layers len
+  (heads x head size) tokens, N the parameters of the matmuls (blocks and output head)."""
+  d, f, h = model.d_model, model.mlp_dim, model.head_size
+  attention = d * h * (2 * model.num_heads + 2 * model.kv_heads)  # q, out; k, v.
+  mlp = (3 if model.mlp_activation == 'swiglu' else 2) * d * f
+  matmul_params = (model.num_layers * (attention + mlp)
                    + d * layers.padded_vocab_size(model.vocab_size))
   tokens = batch_size * seq_len
-  return 6 * matmul_params * tokens + 12 * model.num_layers * seq_len * d * tokens
+  return (6 * matmul_params * tokens
+          + 12 * model.num_layers * seq_len * model.num_heads * h * tokens)
 
 
 FAMILY = ModelFamily(TransformerLM, task='lm', check_config=transformer.check_config,

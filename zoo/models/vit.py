@@ -43,7 +43,7 @@ class ViT(transformer.Transformer, kw_only=True):
       x_BLD = jnp.concatenate([cls_B1D, x_BLD], 1)
     x_BLD = transformer.embed_positions(self, x_BLD, 'learned', x_BLD.shape[1], 'pos_embed', train)
     x_BLD = transformer.blocks(self, x_BLD, prefix='block', train=train)
-    x_BLD = transformer.layer_norm('ln_final', self.dtype)(x_BLD)
+    x_BLD = transformer.norm(self, 'ln_final')(x_BLD)
     x_BD = x_BLD[:, 0] if self.pool == 'cls' else x_BLD.mean(axis=1)
     logits_BC = layers.dense(self.num_classes, ('embed', 'classes'), 'head', dtype=jnp.float32,
                              kernel_init=nn.initializers.zeros_init())(x_BD.astype(jnp.float32))

@@ -1,0 +1,53 @@
+r"""Fine-tune an imported language model on a token dataset made with its own tokenizer.
+
+    python -m zoo.convert import --hf_dir=path/to/hf_model --workdir=runs/imported
+    python -m zoo.prepare text --input=docs.jsonl --output=data/ft \
+        --tokenizer=runs/imported/tokenizer.json
+    python -m zoo.main --config=experiments/finetune_lm.py:runs/imported --workdir=runs/ft \
+        --config.data.path=data/ft
+    python -m zoo.convert export --workdir=runs/ft --hf_dir=out/ft
+
+`get_config('IMPORTED_WORKDIR[,smoke]')`: the model is the imported one (its config.json's
+fields), its params start from the import's checkpoint (`checkpoint.init_from`), and the
+optimizer, schedule and step count are fresh; any mesh works, the rules replicating what
+the model's sizes do not split. The README's results table has a full run: a GPT-2-layout
+model trained by `bpe_lm:gpt2`, exported, imported and fine-tuned on the Python docs.
+`:smoke` (after the workdir): seconds.
+"""
+import json
+import os
+
+from zoo.config import base_config
+
+
+def get_config(arg=None):
+  workdir, _, variant = (arg or '').partition(',')
+  if not workdir or variant not in ('', 'smoke'):
+    raise ValueError(f'finetune_lm needs the imported workdir: --config=experiments/'
+                     f'finetune_lm.py:WORKDIR[,smoke], got {arg!r}; known variant: smoke')
+  with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+    imported = json.load(f)
+  c = base_config()
+  c.model.update(imported['model'])  # The imported architecture, exactly.
+  c.checkpoint.init_from = workdir    # Its params; a fresh optimizer.
+  c.data.name = 'tokens'
+  c.data.path = ''                    # Give --config.data.path: a dataset of its tokenizer.
+  c.data.seq_len = min(128, c.model.max_len)
+  c.train.steps = 300
+  c.train.batch_size = 32
+  c.train.log_every_steps = 50
+  c.optimizer.learning_rate = 3e-4    # Lower than from scratch: keep what was learned.
+  c.optimizer.warmup_steps = 30
+  c.optimizer.weight_decay = 0.1
+  c.optimizer.b2 = 0.99
+  c.eval.every_steps = 100
+  c.eval.batch_size = 32
+  c.eval.max_batches = 0
+  c.checkpoint.every_steps = 100
+  if variant == 'smoke':
+    c.data.seq_len = min(32, c.model.max_len)
+    c.train.update(steps=20, batch_size=16, log_every_steps=5)
+    c.optimizer.update(learning_rate=3e-3, warmup_steps=2)
+    c.eval.update(every_steps=20, batch_size=16, max_batches=2)
+    c.checkpoint.every_steps = 10
+  return c

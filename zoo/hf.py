@@ -1,0 +1,350 @@
+"""Hugging Face layouts zoo imports and exports: GPT-2, Llama and ViT as settings of zoo's
+Transformer families, and each HF tensor's place among zoo's parameters.
+
+An `Architecture` maps a HF `config.json` to `config.model` fields and back, and lists the
+HF tensors with, for each, the zoo parameter paths it becomes and the two transforms
+between them. The import transforms return numpy *views* where they can (transposes,
+reshapes, column splits), so that zoo.convert copies only each device's shard.
+
+Layouts (HF torch -> zoo): nn.Linear weights are [out, in] (zoo: [in, ...]); GPT-2's
+Conv1D weights are already [in, out], its c_attn holds q, k and v side by side; attention
+kernels become [D, heads, head size] and the output [heads, head size, D]; embeddings are
+padded to zoo's vocabulary multiple of 128 (zero rows, never predicted), which export
+drops; ViT's patch convolution [D, C, p, p] becomes Flax's [p, p, C, D].
+"""
+import dataclasses
+from typing import Callable, Optional
+
+import numpy as np
+
+from zoo.errors import ConfigError
+from zoo.models import layers
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """One HF tensor: its name, shape, the zoo parameters ('/'-joined paths) it becomes, and
+  the transforms hf -> tuple of zoo arrays, and zoo arrays -> hf."""
+  name: str
+  shape: tuple
+  zoo: tuple
+  to_zoo: Callable[[np.ndarray], tuple]
+  to_hf: Callable[..., np.ndarray]
+
+
+def _same(name, shape, path):
+  return Tensor(name, shape, (path,), lambda x: (x,), lambda x: x)
+
+
+def _transposed(name, shape, path):  # nn.Linear [out, in] <-> [in, out].
+  return Tensor(name, shape, (path,), lambda x: (x.T,), lambda x: x.T)
+
+
+def _vocab(name, vocab, d, path, transposed=False):
+  """An embedding [V, D] (or a head [V, D] stored as zoo's [D, V]) padded to 128s of rows."""
+  padded = layers.padded_vocab_size(vocab)
+  if transposed:
+    return Tensor(name, (vocab, d), (path,), lambda x: (_PaddedRows(x, padded).T,),
+                  lambda x: x[:, :vocab].T)
+  return Tensor(name, (vocab, d), (path,), lambda x: (_PaddedRows(x, padded),), lambda x: x[:vocab])
+
+
+class _PaddedRows:
+  """x [V, D] as if zero rows padded it to `rows`: indexing reads only the shard asked for."""
+
+  def __init__(self, x: np.ndarray, rows: int, transposed: bool = False):
+    self.x, self.rows, self.transposed = x, rows, transposed
+    self.shape = (x.shape[1], rows) if transposed else (rows, x.shape[1])
+    self.dtype = x.dtype
+
+  @property
+  def T(self) -> '_PaddedRows':  # pylint: disable=invalid-name
+    return _PaddedRows(self.x, self.rows, not self.transposed)
+
+  def __getitem__(self, index: tuple) -> np.ndarray:
+    rows_index, cols = (index[1], index[0]) if self.transposed else index
+    start, stop, _ = rows_index.indices(self.rows)
+    part = np.zeros((stop - start, self.x.shape[1]), self.x.dtype)
+    have = max(0, min(stop, self.x.shape[0]) - start)
+    part[:have] = self.x[start:start + have]
+    part = part[:, cols]
+    return part.T if self.transposed else part
+
+
+def _heads_in(name, shape, path, heads, head):  # Linear [heads*head, D] -> [D, heads, head].
+  d = shape[1]
+  return Tensor(name, shape, (path,), lambda x: (x.reshape(heads, head, d).transpose(2, 0, 1),),
+                lambda x: x.transpose(1, 2, 0).reshape(heads * head, d))
+
+
+def _heads_out(name, shape, path, heads, head):  # Linear [D, heads*head] -> [heads, head, D].
+  d = shape[0]
+  return Tensor(name, shape, (path,), lambda x: (x.T.reshape(heads, head, d),),
+                lambda x: x.reshape(heads * head, d).T)
+
+
+def _bias_heads(name, heads, head, path):
+  return Tensor(name, (heads * head,), (path,), lambda x: (x.reshape(heads, head),),
+                lambda x: x.reshape(-1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+  """A HF model type zoo speaks."""
+  hf_class: str                  # transformers' class that loads an export.
+  family: str                    # zoo's model.name.
+  task: str
+  # HF config.json -> config.model fields (not name; the ViT adds image_size, num_channels).
+  from_hf: Callable[[dict], dict]
+  to_hf: Callable[[dict], dict]           # The same fields -> HF config.json.
+  # config.model fields (for the ViT, plus image_size and num_channels) -> [Tensor].
+  tensors: Callable[[dict], list]
+  matches: Callable[[dict], bool]         # Whether config.model fields are this layout.
+  ignored: tuple = ()                     # HF tensor name suffixes an import may skip.
+
+
+# GPT-2: learned positions, LayerNorm with bias, GELU (tanh), biases, tied embeddings.
+
+def _gpt2_from_hf(c):
+  unsupported = {k: c.get(k) for k in ('scale_attn_by_inverse_layer_idx', 'reorder_and_upcast_attn',
+                                       'add_cross_attention') if c.get(k)}
+  if c.get('activation_function', 'gelu_new') not in ('gelu_new', 'gelu_pytorch_tanh'):
+    unsupported['activation_function'] = c.get('activation_function')
+  if not c.get('scale_attn_weights', True):
+    unsupported['scale_attn_weights'] = False
+  if not c.get('tie_word_embeddings', True):
+    unsupported['tie_word_embeddings'] = False
+  _refuse(unsupported, 'gpt2')
+  d = c['n_embd']
+  return dict(vocab_size=c['vocab_size'], num_layers=c['n_layer'], d_model=d,
+              num_heads=c['n_head'], mlp_dim=c.get('n_inner') or 4 * d, max_len=c['n_positions'],
+              positions='learned', norm='layer', norm_epsilon=c.get('layer_norm_epsilon', 1e-5),
+              mlp_activation='gelu', use_bias=True, tie_embeddings=True)
+
+
+def _gpt2_to_hf(m):
+  return dict(architectures=['GPT2LMHeadModel'], model_type='gpt2', vocab_size=m['vocab_size'],
+              n_positions=m['max_len'], n_embd=m['d_model'], n_layer=m['num_layers'],
+              n_head=m['num_heads'], n_inner=m['mlp_dim'], activation_function='gelu_new',
+              layer_norm_epsilon=m['norm_epsilon'], tie_word_embeddings=True,
+              scale_attn_weights=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _gpt2_tensors(m):
+  d, n, f = m['d_model'], m['num_heads'], m['mlp_dim']
+  h = d // n
+  out = [_vocab('transformer.wte.weight', m['vocab_size'], d, 'embed'),
+         _same('transformer.wpe.weight', (m['max_len'], d), 'pos_embed'),
+         _same('transformer.ln_f.weight', (d,), 'ln_final/scale'),
+         _same('transformer.ln_f.bias', (d,), 'ln_final/bias')]
+  for i in range(m['num_layers']):
+    hf, zoo = f'transformer.h.{i}.', f'block_{i}/'
+    qkv = tuple(f'{zoo}attn/{x}' for x in ('query', 'key', 'value'))
+    out += [
+        _same(f'{hf}ln_1.weight', (d,), f'{zoo}ln_attn/scale'),
+        _same(f'{hf}ln_1.bias', (d,), f'{zoo}ln_attn/bias'),
+        Tensor(f'{hf}attn.c_attn.weight', (d, 3 * d), qkv,
+               lambda x: tuple(x[:, j * d:(j + 1) * d].reshape(d, n, h) for j in range(3)),
+               lambda q, k, v: np.concatenate([y.reshape(d, d) for y in (q, k, v)], axis=1)),
+        Tensor(f'{hf}attn.c_attn.bias', (3 * d,), tuple(p + '_bias' for p in qkv),
+               lambda x: tuple(x[j * d:(j + 1) * d].reshape(n, h) for j in range(3)),
+               lambda q, k, v: np.concatenate([y.reshape(d) for y in (q, k, v)])),
+        Tensor(f'{hf}attn.c_proj.weight', (d, d), (f'{zoo}attn/out',),
+               lambda x: (x.reshape(n, h, d),), lambda x: x.reshape(d, d)),
+        _same(f'{hf}attn.c_proj.bias', (d,), f'{zoo}attn/out_bias'),
+        _same(f'{hf}ln_2.weight', (d,), f'{zoo}ln_mlp/scale'),
+        _same(f'{hf}ln_2.bias', (d,), f'{zoo}ln_mlp/bias'),
+        _same(f'{hf}mlp.c_fc.weight', (d, f), f'{zoo}mlp/wi'),
+        _same(f'{hf}mlp.c_fc.bias', (f,), f'{zoo}mlp/wi_bias'),
+        _same(f'{hf}mlp.c_proj.weight', (f, d), f'{zoo}mlp/wo'),
+        _same(f'{hf}mlp.c_proj.bias', (d,), f'{zoo}mlp/wo_bias')]
+  return out
+
+
+def _gpt2_matches(m):
+  return (m.get('positions') == 'learned' and m.get('norm') == 'layer' and m.get('use_bias')
+          and m.get('mlp_activation') == 'gelu' and m.get('tie_embeddings')
+          and not m.get('num_kv_heads') and not m.get('head_dim'))
+
+
+# Llama: rotary positions, RMSNorm, SwiGLU, grouped-query attention, no biases, untied head.
+
+def _llama_from_hf(c):
+  rope = c.get('rope_parameters') or {}
+  scaling = c.get('rope_scaling') or {}
+  rope_types = {rope.get('rope_type'), scaling.get('rope_type'), scaling.get('type')} - {None}
+  unsupported = {k: c.get(k) for k in ('attention_bias', 'mlp_bias') if c.get(k)}
+  if rope_types - {'default'}:  # transformers 5 writes rope_parameters, older ones rope_scaling.
+    unsupported['rope_type'] = ', '.join(sorted(rope_types - {'default'}))
+  if c.get('hidden_act', 'silu') != 'silu':
+    unsupported['hidden_act'] = c.get('hidden_act')
+  if c.get('pretraining_tp', 1) != 1:
+    unsupported['pretraining_tp'] = c.get('pretraining_tp')
+  _refuse(unsupported, 'llama')
+  heads = c['num_attention_heads']
+  head_dim = c.get('head_dim') or c['hidden_size'] // heads
+  return dict(vocab_size=c['vocab_size'], num_layers=c['num_hidden_layers'],
+              d_model=c['hidden_size'], num_heads=heads,
+              num_kv_heads=c.get('num_key_value_heads') or heads,
+              head_dim=head_dim if head_dim * heads != c['hidden_size'] else 0,
+              mlp_dim=c['intermediate_size'], max_len=c['max_position_embeddings'],
+              positions='rotary', rope_theta=float(rope.get('rope_theta', c.get('rope_theta',
+                                                                                  10000.0))),
+              norm='rms', norm_epsilon=c.get('rms_norm_eps', 1e-6), mlp_activation='swiglu',
+              use_bias=False, tie_embeddings=bool(c.get('tie_word_embeddings', False)))
+
+
+def _llama_to_hf(m):
+  heads = m['num_heads']
+  return dict(architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=m['vocab_size'],
+              hidden_size=m['d_model'], intermediate_size=m['mlp_dim'],
+              num_hidden_layers=m['num_layers'], num_attention_heads=heads,
+              num_key_value_heads=m.get('num_kv_heads') or heads,
+              head_dim=m.get('head_dim') or m['d_model'] // heads,
+              max_position_embeddings=m['max_len'], rms_norm_eps=m['norm_epsilon'],
+              rope_theta=m['rope_theta'], hidden_act='silu', attention_bias=False, mlp_bias=False,
+              tie_word_embeddings=bool(m.get('tie_embeddings')))
+
+
+def _llama_tensors(m):
+  d, n, f = m['d_model'], m['num_heads'], m['mlp_dim']
+  g, h = m.get('num_kv_heads') or n, m.get('head_dim') or d // n
+  out = [_vocab('model.embed_tokens.weight', m['vocab_size'], d, 'embed'),
+         _same('model.norm.weight', (d,), 'ln_final/scale')]
+  if not m.get('tie_embeddings'):
+    out.append(_vocab('lm_head.weight', m['vocab_size'], d, 'head', transposed=True))
+  for i in range(m['num_layers']):
+    hf, zoo = f'model.layers.{i}.', f'block_{i}/'
+    out += [
+        _same(f'{hf}input_layernorm.weight', (d,), f'{zoo}ln_attn/scale'),
+        _heads_in(f'{hf}self_attn.q_proj.weight', (n * h, d), f'{zoo}attn/query', n, h),
+        _heads_in(f'{hf}self_attn.k_proj.weight', (g * h, d), f'{zoo}attn/key', g, h),
+        _heads_in(f'{hf}self_attn.v_proj.weight', (g * h, d), f'{zoo}attn/value', g, h),
+        _heads_out(f'{hf}self_attn.o_proj.weight', (d, n * h), f'{zoo}attn/out', n, h),
+        _same(f'{hf}post_attention_layernorm.weight', (d,), f'{zoo}ln_mlp/scale'),
+        _transposed(f'{hf}mlp.gate_proj.weight', (f, d), f'{zoo}mlp/wi_gate'),
+        _transposed(f'{hf}mlp.up_proj.weight', (f, d), f'{zoo}mlp/wi_up'),
+        _transposed(f'{hf}mlp.down_proj.weight', (d, f), f'{zoo}mlp/wo')]
+  return out
+
+
+def _llama_matches(m):
+  return (m.get('positions') == 'rotary' and m.get('norm') == 'rms'
+          and m.get('mlp_activation') == 'swiglu' and not m.get('use_bias'))
+
+
+# ViT (ViTForImageClassification): patches, class token, pre-norm blocks with biases, head.
+
+def _vit_from_hf(c):
+  unsupported = {}
+  if c.get('hidden_act', 'gelu') != 'gelu':
+    unsupported['hidden_act'] = c.get('hidden_act')
+  if not c.get('qkv_bias', True):
+    unsupported['qkv_bias'] = False
+  _refuse(unsupported, 'vit')
+  labels = c.get('id2label') or {}
+  return dict(patch_size=c['patch_size'], num_layers=c['num_hidden_layers'],
+              d_model=c['hidden_size'], num_heads=c['num_attention_heads'],
+              mlp_dim=c['intermediate_size'], num_classes=c.get('num_labels') or len(labels) or 2,
+              pool='cls', norm='layer', norm_epsilon=c.get('layer_norm_eps', 1e-12),
+              mlp_activation='gelu_exact', use_bias=True,
+              image_size=c['image_size'], num_channels=c.get('num_channels', 3))
+
+
+def _vit_to_hf(m):
+  return dict(architectures=['ViTForImageClassification'], model_type='vit',
+              image_size=m['image_size'], patch_size=m['patch_size'],
+              num_channels=m['num_channels'], hidden_size=m['d_model'],
+              num_hidden_layers=m['num_layers'], num_attention_heads=m['num_heads'],
+              intermediate_size=m['mlp_dim'], hidden_act='gelu', layer_norm_eps=m['norm_epsilon'],
+              qkv_bias=True, id2label={str(i): str(i) for i in range(m['num_classes'])},
+              label2id={str(i): i for i in range(m['num_classes'])},
+              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _vit_tensors(m):
+  d, n, f, p, c = m['d_model'], m['num_heads'], m['mlp_dim'], m['patch_size'], m['num_channels']
+  h = d // n
+  patches = (m['image_size'] // p) ** 2
+  out = [Tensor('vit.embeddings.cls_token', (1, 1, d), ('cls',), lambda x: (x,), lambda x: x),
+         Tensor('vit.embeddings.position_embeddings', (1, patches + 1, d), ('pos_embed',),
+                lambda x: (x[0],), lambda x: x[None]),
+         Tensor('vit.embeddings.patch_embeddings.projection.weight', (d, c, p, p),
+                ('patch_embed/kernel',), lambda x: (x.transpose(2, 3, 1, 0),),
+                lambda x: x.transpose(3, 2, 0, 1)),
+         _same('vit.embeddings.patch_embeddings.projection.bias', (d,), 'patch_embed/bias'),
+         _same('vit.layernorm.weight', (d,), 'ln_final/scale'),
+         _same('vit.layernorm.bias', (d,), 'ln_final/bias'),
+         _transposed('classifier.weight', (m['num_classes'], d), 'head/kernel'),
+         _same('classifier.bias', (m['num_classes'],), 'head/bias')]
+  for i in range(m['num_layers']):
+    hf, zoo = f'vit.encoder.layer.{i}.', f'block_{i}/'
+    for x in ('query', 'key', 'value'):
+      out += [_heads_in(f'{hf}attention.attention.{x}.weight', (d, d), f'{zoo}attn/{x}', n, h),
+              _bias_heads(f'{hf}attention.attention.{x}.bias', n, h, f'{zoo}attn/{x}_bias')]
+    out += [
+        _heads_out(f'{hf}attention.output.dense.weight', (d, d), f'{zoo}attn/out', n, h),
+        _same(f'{hf}attention.output.dense.bias', (d,), f'{zoo}attn/out_bias'),
+        _same(f'{hf}layernorm_before.weight', (d,), f'{zoo}ln_attn/scale'),
+        _same(f'{hf}layernorm_before.bias', (d,), f'{zoo}ln_attn/bias'),
+        _same(f'{hf}layernorm_after.weight', (d,), f'{zoo}ln_mlp/scale'),
+        _same(f'{hf}layernorm_after.bias', (d,), f'{zoo}ln_mlp/bias'),
+        _transposed(f'{hf}intermediate.dense.weight', (f, d), f'{zoo}mlp/wi'),
+        _same(f'{hf}intermediate.dense.bias', (f,), f'{zoo}mlp/wi_bias'),
+        _transposed(f'{hf}output.dense.weight', (d, f), f'{zoo}mlp/wo'),
+        _same(f'{hf}output.dense.bias', (d,), f'{zoo}mlp/wo_bias')]
+  return out
+
+
+def _vit_matches(m):
+  return m.get('use_bias') and m.get('mlp_activation') == 'gelu_exact' and m.get('pool') == 'cls'
+
+
+ARCHITECTURES = {
+    'gpt2': Architecture('GPT2LMHeadModel', 'transformer_lm', 'lm', _gpt2_from_hf, _gpt2_to_hf,
+                         _gpt2_tensors, _gpt2_matches,
+                         ignored=('.attn.bias', '.attn.masked_bias', 'lm_head.weight')),
+    'llama': Architecture('LlamaForCausalLM', 'transformer_lm', 'lm', _llama_from_hf, _llama_to_hf,
+                          _llama_tensors, _llama_matches, ignored=('.rotary_emb.inv_freq',)),
+    'vit': Architecture('ViTForImageClassification', 'vit', 'classification', _vit_from_hf,
+                        _vit_to_hf, _vit_tensors, _vit_matches, ignored=('vit.pooler.dense.weight',
+                                                                          'vit.pooler.dense.bias')),
+}
+
+
+def _refuse(unsupported: dict, model_type: str) -> None:
+  if unsupported:
+    settings = ', '.join(f'{k}={v!r}' for k, v in unsupported.items())
+    raise ConfigError(f'--hf_dir: this {model_type} model uses {settings}, which zoo does not '
+                      'implement; supported: plain GPT-2, Llama (default rotary scaling, no '
+                      'biases) and ViT (ViTForImageClassification)')
+
+
+def architecture(hf_config: dict) -> tuple[str, 'Architecture']:
+  """The HF config's model type and its Architecture; ConfigError listing the supported."""
+  model_type = hf_config.get('model_type')
+  if model_type not in ARCHITECTURES:
+    raise ConfigError(f'--hf_dir: model_type {model_type!r} is not supported; supported: '
+                      f'{", ".join(ARCHITECTURES)} (GPT2LMHeadModel, LlamaForCausalLM, '
+                      'ViTForImageClassification)')
+  return model_type, ARCHITECTURES[model_type]
+
+
+def with_defaults(model_config: dict) -> dict:
+  """config.model's fields, completed with its family module's defaults."""
+  from zoo import models  # pylint: disable=import-outside-toplevel
+  family = models.MODELS.get(model_config.get('name'))
+  if family is None:
+    return dict(model_config)
+  defaults = {f.name: f.default for f in dataclasses.fields(family.module)
+              if f.default is not dataclasses.MISSING and f.name not in ('parent', 'name')}
+  return {**defaults, **model_config}
+
+
+def architecture_of(model_config: dict) -> Optional[tuple[str, 'Architecture']]:
+  """The HF layout a zoo model's fields (defaults included) match, if any."""
+  fields = with_defaults(model_config)
+  for model_type, arch in ARCHITECTURES.items():
+    if fields.get('name') == arch.family and arch.matches(fields):
+      return model_type, arch
+  return None

@@ -1,0 +1,68 @@
+"""What a run's workdir holds, for the tools that read one (zoo.sample, zoo.convert): its
+config, its checkpoints and the data or tokenizer that encodes its text."""
+import json
+import os
+from typing import Any
+
+import ml_collections
+
+from zoo import checkpoint, data, models, tasks
+from zoo.data import tokens
+from zoo.data.dataset import Dataset
+from zoo.errors import CheckpointError, ConfigError
+
+TOKENIZER = 'tokenizer.json'  # An imported model's own tokenizer, beside its config.
+
+
+def read_json(path: str, flag: str) -> Any:
+  """A JSON file that `flag` pointed at; ConfigError naming both if it does not parse."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      return json.load(f)
+  except ValueError as e:
+    raise ConfigError(f'{flag}: {path} is not valid JSON ({e})') from None
+
+
+def load_run(workdir: str, require_lm: bool = True) -> tuple[ml_collections.ConfigDict, str]:
+  """The run's config (a ConfigDict, tuples read back as lists) and its checkpoint directory.
+
+  Checks that the run has a complete checkpoint and (`require_lm`) trained a language model.
+  """
+  if not os.path.isdir(workdir):
+    raise ConfigError(f'--workdir: {workdir} is not a directory; give the workdir of a training '
+                      'run')
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    raise ConfigError(f'--workdir: {workdir} has no config.json; give the workdir of a training '
+                      'run')
+  config = ml_collections.ConfigDict(read_json(path, '--workdir'))
+  name = config.model.get('name')
+  if require_lm and (name not in models.MODELS
+                     or models.MODELS[name].task != tasks.LanguageModel.name):
+    raise ConfigError(f'--workdir: {workdir} trained model {name!r}, not a language model; '
+                      'sampling needs a transformer_lm run')
+  if config.data.get('path') and not os.path.exists(config.data.path):
+    raise ConfigError(f'--workdir: the run trained on data.path={config.data.path}, not found from '
+                      f'{os.getcwd()}; run from the directory that training ran in')
+  directory = checkpoint.directory_of(workdir)
+  if not os.path.isdir(directory) or not any(d.isdigit() for d in os.listdir(directory)):
+    raise CheckpointError(f'--workdir: {workdir} has no complete checkpoint yet; train it first')
+  return config, directory
+
+
+def run_dataset(workdir: str, config: ml_collections.ConfigDict) -> Dataset:
+  """The data that encodes prompts for a run: an imported model's own tokenizer.json (it has
+  no dataset), else the run's dataset."""
+  tokenizer_file = os.path.join(workdir, TOKENIZER)
+  if os.path.isfile(tokenizer_file) and not config.data.get('path'):
+    return tokens.tokenizer_dataset(tokenizer_file, config.model.vocab_size, config.data.seq_len)
+  return data.load(config.data, config.seed)
+
+
+def tokenizer_file(workdir: str, config: ml_collections.ConfigDict) -> str:
+  """The run's tokenizer.json (its own, or its token dataset's), or '' if it has none."""
+  data_path = config.data.get('path') or ''
+  for path in (os.path.join(workdir, TOKENIZER), os.path.join(data_path, TOKENIZER)):
+    if os.path.isfile(path):
+      return path
+  return ''
