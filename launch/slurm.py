@@ -7,7 +7,10 @@ r"""Writes (and submits) a SLURM batch script that runs one zoo command on a GPU
 calls jax.distributed.initialize, which reads the job's nodes, task count and rank from
 SLURM's environment. Every task sees all of its node's GPUs: per GPU, JAX takes the one at
 the task's local rank; per node, JAX_LOCAL_DEVICE_IDS hands the process all of them. The workdir must be on
-a file system that every node sees. --dry_run prints the script instead of calling sbatch.
+a file system that every node sees. The script first installs zoo with its `cuda12` extra
+(JAX's CUDA 12 plugin, CUDA and cuDNN from pip) into the Python environment that sbatch
+runs in, shared by the nodes (--no_install skips it). --dry_run prints the script instead
+of calling sbatch.
 """
 import argparse
 import shlex
@@ -17,7 +20,8 @@ import sys
 import cli
 
 
-def batch_script(nodes, gpus_per_node, per, time_limit, job_name, zoo_args, partition=None):
+def batch_script(nodes, gpus_per_node, per, time_limit, job_name, zoo_args, partition=None,
+                 install=True):
   tasks = gpus_per_node if per == 'gpu' else 1
   lines = [
       '#!/bin/bash',
@@ -33,6 +37,8 @@ def batch_script(nodes, gpus_per_node, per, time_limit, job_name, zoo_args, part
   if partition:
     lines.append(f'#SBATCH --partition={partition}')
   lines.append('set -euo pipefail')
+  if install:  # Once, from the first node, into the environment that every node shares.
+    lines.append("python -m pip install -q -e '.[cuda12]'")
   if per == 'node':  # Else JAX's SLURM detection gives each process only GPU 0.
     lines.append(f'export JAX_LOCAL_DEVICE_IDS={",".join(str(i) for i in range(gpus_per_node))}')
   lines += [
@@ -50,12 +56,14 @@ def main():
   parser.add_argument('--time', default='01:00:00')
   parser.add_argument('--job_name', default='zoo')
   parser.add_argument('--partition', default=None)
+  parser.add_argument('--no_install', action='store_true',
+                      help="Skip `pip install -e '.[cuda12]'` (the environment already has zoo).")
   parser.add_argument('--dry_run', action='store_true', help='Print the script; submit nothing.')
   cli.add_zoo_args(parser)
   args = parser.parse_args()
   zoo_args = cli.zoo_args(parser, args)
   script = batch_script(args.nodes, args.gpus_per_node, args.per, args.time, args.job_name,
-                        zoo_args, args.partition)
+                        zoo_args, args.partition, install=not args.no_install)
   if args.dry_run:
     print(script, end='')
   else:

@@ -4,8 +4,8 @@ r"""Runs one zoo command on every worker of a Cloud TPU pod slice (a TPU VM).
         --config=experiments/char_lm.py --workdir=/mnt/runs/lm --config.mesh.shape="(-1,4)"
 
 It packs the committed tree (`git archive HEAD`), copies it to every worker, installs it with
-`jax[tpu]`, and starts `python -m zoo.main` on all workers at once (`--worker=all`). On a TPU VM
-zoo auto-detects the pod and calls jax.distributed.initialize, so no coordinator flags are
+its `tpu` extra (`pip install -e '.[tpu]'`: JAX and libtpu), and starts `python -m zoo.main`
+on all workers at once (`--worker=all`). On a TPU VM zoo auto-detects the pod and calls jax.distributed.initialize, so no coordinator flags are
 needed. The workdir must be a directory every worker mounts (NFS, or a bucket through gcsfuse).
 --dry_run prints the exact commands instead of running them.
 """
@@ -25,7 +25,7 @@ def commands(tpu, zone, project, zoo_args, remote_dir='~/zoo'):
   archive = f'/tmp/zoo-{tpu}.tar.gz'
   where = [f'--zone={zone}'] + ([f'--project={project}'] if project else [])
   run = (f'mkdir -p {remote_dir} && tar -xzf ~/zoo.tar.gz -C {remote_dir} && cd {remote_dir} && '
-         f'python3 -m pip install -q -e . "jax[tpu]" && '
+         f"python3 -m pip install -q -e '.[tpu]' && "
          f'python3 -m zoo.main {shlex.join(zoo_args)}')
   return [
       ['git', '-C', REPO, 'archive', '--format=tar.gz', f'--output={archive}', 'HEAD'],

@@ -25,7 +25,7 @@ def test_tpu_pod_dry_run_deploys_and_runs_on_every_worker():
   assert ssh[:8] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod', '--worker=all',
                      '--zone=us-east5-a']
   remote = ssh[-1].removeprefix('--command=')
-  assert 'pip install -q -e . "jax[tpu]"' in remote
+  assert "pip install -q -e '.[tpu]' && " in remote  # The tpu extra: JAX and libtpu.
   # The user's arguments reach zoo.main intact, quoting included.
   assert shlex.split(remote.split('python3 -m zoo.main ')[1]) == ZOO_ARGS
   assert len(lines) == 3
@@ -37,7 +37,10 @@ def test_slurm_dry_run_one_process_per_gpu():
   for line in ('#SBATCH --nodes=4', '#SBATCH --ntasks-per-node=8', '#SBATCH --gpus-per-node=8',
                '#SBATCH --time=02:00:00', '#SBATCH --signal=TERM@120'):
     assert line in script.splitlines()
-  srun = [l for l in script.splitlines() if l.startswith('srun')][0]
+  lines = script.splitlines()
+  srun = [l for l in lines if l.startswith('srun')][0]
+  # zoo and JAX's CUDA 12 plugin installed once, before the tasks start.
+  assert lines.index("python -m pip install -q -e '.[cuda12]'") < lines.index(srun)
   # No per-task GPU binding: JAX picks the GPU at the task's local rank among all it sees.
   assert srun.startswith('srun --kill-on-bad-exit=1 python -m zoo.main ')
   assert 'JAX_LOCAL_DEVICE_IDS' not in script
@@ -51,6 +54,18 @@ def test_slurm_dry_run_one_process_per_node():
   assert 'export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7' in lines  # All 8 GPUs to the one process.
   assert lines.index('export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7') < [
       i for i, l in enumerate(lines) if l.startswith('srun')][0]
+
+
+def test_slurm_dry_run_without_install():
+  script = _run('slurm.py', '--nodes=1', '--no_install')
+  assert 'pip install' not in script
+
+
+def test_accelerator_extras_are_jax_own():
+  import tomllib  # pylint: disable=import-outside-toplevel
+  with open(f'{REPO}/pyproject.toml', 'rb') as f:
+    extras = tomllib.load(f)['project']['optional-dependencies']
+  assert extras['cuda12'] == ['jax[cuda12]>=0.10.2'] and extras['tpu'] == ['jax[tpu]>=0.10.2']
 
 
 def test_launchers_need_zoo_arguments():

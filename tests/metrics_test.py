@@ -24,3 +24,4 @@ def test_inactive_writer_writes_nothing(tmp_path):
 
 def test_format_duration():
   assert [metrics.format_duration(s) for s in (5, 65, 3725)] == ['5s', '1m05s', '1h02m05s']
+

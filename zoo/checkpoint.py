@@ -6,7 +6,10 @@ the step is the whole data and RNG position. Every process
 writes its own shards; restores read into abstract targets that carry the *current*
 shardings, so a checkpoint written on one mesh restores onto any other.
 """
+import contextlib
 import os
+import re
+import shutil
 import signal
 import threading
 from typing import TYPE_CHECKING, Any, Optional
@@ -233,6 +236,110 @@ def restore_or_init(setup: 'Setup', workdir: str) -> tuple[Any, ocp.CheckpointMa
     logging.info('initialised params from step %d of %s (optimizer state fresh)', step, source)
     state = state.replace(params=params)
   return state, manager or new_manager()
+
+
+class Saver:
+  """Saves steps through `manager` and turns a failed save into one CheckpointError.
+
+  An async save fails in the background; orbax raises its error at the next save or wait.
+  Either way the error names the step that failed, the path and the cause (no space, no
+  permission, storage unreachable); that step's partial directory is removed, and every
+  earlier step and metrics.jsonl stay as they were, so the next run resumes from the newest
+  complete step.
+  """
+
+  def __init__(self, manager: ocp.CheckpointManager):
+    self.manager = manager
+    self.in_flight: Optional[int] = None  # The step of an async save not yet known complete.
+    self.failed = False
+
+  def save(self, step: int, state: Any) -> None:
+    self.wait()  # Orbax waits for the previous save anyway; this way a failure names its step.
+    with self._failures(step):
+      self.manager.save(step, args=save_args(saved_tree(state)), force=True)
+    self.in_flight = step
+    logging.info('saving checkpoint step %d to %s', step, self.manager.directory)
+
+  def wait(self) -> None:
+    """Blocks until the last save is complete (or raises its failure)."""
+    if self.in_flight is not None and not self.failed:
+      with self._failures(self.in_flight):
+        self.manager.wait_until_finished()
+      self.in_flight = None
+
+  def close(self) -> None:
+    """Waits for the last save, then closes the manager; after a failure, closing errors
+    (orbax re-raising it) are logged, not raised over the CheckpointError."""
+    try:
+      self.wait()
+    finally:
+      try:
+        self.manager.close()
+      except Exception as e:  # pylint: disable=broad-except
+        if not self.failed:
+          raise
+        logging.warning('closing the checkpoint manager after a failed save: %s', _one_line(e))
+
+  @contextlib.contextmanager
+  def _failures(self, step):
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except  # Orbax/tensorstore raise many types.
+      self.failed, failed_step = True, step
+      directory = str(self.manager.directory)
+      removed = _remove_partial(directory, failed_step)
+      kept = sorted(s for s in _complete_steps(directory) if s != failed_step)
+      resume = f'the next run resumes from step {kept[-1]}' if kept else 'no earlier checkpoint'
+      raise CheckpointError(
+          f'saving checkpoint step {failed_step} to {directory} failed ({_storage_cause(e)}); '
+          f'{"removed its partial files; " if removed else ""}earlier checkpoints and '
+          f'metrics.jsonl are intact ({resume}). Free space or fix access to the storage, '
+          'then run again') from e
+
+
+def _complete_steps(directory: str) -> list[int]:
+  try:
+    return [int(d) for d in os.listdir(directory) if d.isdigit()]
+  except OSError:
+    return []
+
+
+def _remove_partial(directory: str, step: Optional[int]) -> bool:
+  """Process 0 deletes `step`'s unfinished (tmp) directories; True if it found any."""
+  if step is None or jax.process_index() != 0:
+    return False
+  found = False
+  try:
+    names = os.listdir(directory)
+  except OSError:
+    return False
+  for name in names:
+    if name.startswith(f'{step}.orbax-checkpoint-tmp'):
+      found = True
+      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+  return found
+
+
+def _storage_cause(error: BaseException) -> str:
+  """The root cause of a storage error, short: the innermost OSError, or a storage status
+  with the message's last clause (tensorstore: 'RESOURCE_EXHAUSTED: Error writing ... in
+  OCDBT database ...: Failed to write N bytes to file F: No space left on device [...]'
+  becomes 'RESOURCE_EXHAUSTED: No space left on device')."""
+  chain, seen = [], set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    chain.append(error)
+    error = error.__cause__ or error.__context__
+  for e in reversed(chain):
+    if isinstance(e, OSError) and e.strerror:
+      return f'{e.strerror}{": " + str(e.filename) if e.filename else ""}'
+  for e in chain:
+    text = (str(e).strip().splitlines() or [''])[0]
+    status = re.match(r'([A-Z_]{5,}): ', text)
+    if status:
+      last = re.sub(r'\s*\[[^\]]*\]$', '', text).rsplit(': ', 1)[-1]
+      return f'{status.group(1)}: {last}'[:200]
+  return _one_line(chain[0])
 
 
 class StopRequest:

@@ -4,6 +4,7 @@ Public keys (a stable contract, see README): model.name and the model's fields,
 data.name, mesh.axes, mesh.shape, logical_axis_rules, train.steps, train.batch_size,
 seed, optimizer.*, eval.every_steps.
 """
+import importlib.util
 import math
 import os
 from typing import Optional
@@ -14,6 +15,8 @@ import ml_collections
 from zoo import data, models, optim, sharding, tasks
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError, fail
+
+WANDB_MODES = ('online', 'offline', 'disabled')
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -52,6 +55,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.batch_size = 128                 # Global; the last batch is padded and masked.
   c.eval.max_batches = 0                  # 0: the whole eval split.
   c.eval.sample_temperature = 0.8         # LM only: the sample printed at each eval; 0 is greedy.
+  c.metrics = ml_collections.ConfigDict()  # metrics.jsonl and TensorBoard always; W&B if set.
+  c.metrics.wandb_project = ''            # A W&B project: rows, config, samples (`.[wandb]`).
+  c.metrics.wandb_entity = ''             # W&B team or user ('': the default).
+  c.metrics.wandb_mode = 'online'         # online, offline (`wandb sync` later) or disabled.
   c.profile = ml_collections.ConfigDict()
   c.profile.steps = ()                    # (a, b): trace steps [a, b) into workdir/profile.
   c.perf = ml_collections.ConfigDict()
@@ -62,6 +69,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint.async_save = True          # Write in the background while training goes on.
   c.checkpoint.init_from = ''             # A run's workdir or checkpoints/: start from its params.
   c.checkpoint.fallback = False           # Newest checkpoint damaged: resume from an older one.
+  c.checkpoint.lease_seconds = 60.0       # The workdir's owner renews its lease; after this much
+                                          # silence (a lost host) another job may take over.
   # False: each shard is written once, by its first replica (fastest on one host: the loop
   # is blocked ~4x less on CPU). True: replicas split the write, which pays off only when
   # many hosts hold copies of large replicated arrays.
@@ -107,7 +116,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _validate_run(config)
   family.check_config(config.model)
   for field in ('train.steps', 'train.batch_size', 'train.log_every_steps',
-                'eval.every_steps', 'eval.batch_size', 'checkpoint.every_steps', 'checkpoint.keep'):
+                'eval.every_steps', 'eval.batch_size', 'checkpoint.every_steps', 'checkpoint.keep',
+                'checkpoint.lease_seconds'):
     group, key = field.split('.')
     if config[group][key] <= 0:
       fail(field, f'must be positive, got {config[group][key]}')
@@ -123,7 +133,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
 
 
 def _validate_run(config):
-  """Seed, profiling, prefetch, peak and eval sizes."""
+  """Seed, profiling, prefetch, peak, eval sizes and W&B."""
+  if config.metrics.wandb_mode not in WANDB_MODES:
+    fail('metrics.wandb_mode', f'unknown mode {config.metrics.wandb_mode!r}; known: '
+         f'{", ".join(WANDB_MODES)}')
+  if config.metrics.wandb_project and importlib.util.find_spec('wandb') is None:
+    fail('metrics.wandb_project', "needs the wandb package: pip install -e '.[wandb]'")
   steps = tuple(config.profile.steps)
   if steps and not (len(steps) == 2 and 0 <= steps[0] < steps[1] <= config.train.steps):
     fail('profile.steps', f'{steps} must be () or (a, b) with 0 <= a < b <= train.steps='

@@ -12,7 +12,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from zoo import compilation, distributed, plan, train
+from zoo import compilation, distributed, metrics, plan, train
 from zoo.errors import ZooError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -24,7 +24,8 @@ _DRY_RUN = flags.DEFINE_bool(
 _DEVICE_MEMORY = flags.DEFINE_float(
     'device_memory_gib', 0.0, 'With --dry_run: memory per device; exit 1 if the step needs more.')
 _CPU_DEVICES = flags.DEFINE_integer(
-    'cpu_devices', None, 'Run on this many emulated CPU devices (try a mesh without accelerators).')
+    'cpu_devices', None, 'Run on this many emulated CPU devices (try a mesh without '
+    'accelerators). Default on a host without accelerators: one per core (a power of two).')
 _COORDINATOR = flags.DEFINE_string(
     'coordinator_address', None, 'host:port of process 0, for a multi-process job.')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
@@ -37,17 +38,26 @@ _CACHE_DIR = flags.DEFINE_string(
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
     'heartbeat_timeout', 60,
     'Seconds of silence after which a process counts as dead and the others exit.')
+_LOG_LIBRARIES = flags.DEFINE_bool(
+    'log_libraries', False, "Also show installed libraries' INFO lines (orbax's per-save "
+    'messages, ...); by default the console has zoo\'s lines and every warning.')
 flags.mark_flags_as_required(['config'])
 
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     sys.exit(f'zoo: error: unexpected arguments {argv[1:]}')
+  if not _LOG_LIBRARIES.value:
+    metrics.quiet_libraries()
   try:
     if _CACHE_DIR.value:
       compilation.enable_cache(_CACHE_DIR.value)
-    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                           _CPU_DEVICES.value, _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value)
+    per_core = distributed.initialize(
+        _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _CPU_DEVICES.value,
+        _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value, per_core=True)
+    if per_core and jax.default_backend() == 'cpu':
+      logging.info('no accelerator: %d CPU devices, one per core (--cpu_devices=N to choose)',
+                   jax.local_device_count())
     logging.info('JAX %s, process %d of %d, %d local / %d global devices: %s', jax.__version__,
                  jax.process_index(), jax.process_count(), jax.local_device_count(),
                  jax.device_count(), jax.devices())

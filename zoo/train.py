@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 
 from zoo import config as cfg
-from zoo import checkpoint, metrics, perf, profiling, sharding, steps
+from zoo import checkpoint, lease, metrics, perf, profiling, sharding, steps
 from zoo import setup as setup_lib
 from zoo.data import feed
 from zoo.errors import NonFiniteError
@@ -148,15 +148,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps
   setup = setup_lib.checked(config)
   mesh, total, is_main = setup.mesh, config.train.steps, jax.process_index() == 0
   with setup.scope(), contextlib.ExitStack() as cleanup:  # Cleanups all run, last first.
+    owner = lease.hold(workdir, config.checkpoint.lease_seconds)  # Or exits: another job has it.
+    cleanup.callback(owner.release)
     state, manager = checkpoint.restore_or_init(setup, workdir)  # From here the workdir is written.
-    cleanup.callback(manager.close)
-    cleanup.callback(manager.wait_until_finished)
+    saver = checkpoint.Saver(manager)
+    cleanup.callback(saver.close)  # Waits for the last save: a failure raises from here.
     start = int(state.step)
     if is_main:
       metrics.write_json(workdir, 'config.json', config.to_json_best_effort(indent=2))
     logging.info('mesh %s; config:\n%s', dict(mesh.shape), config)
     logging.info('parameters:\n%s', sharding.format_param_table(setup.param_table()))
-    writer = metrics.MetricWriter(workdir, is_main, start)
+    writer = metrics.MetricWriter(workdir, is_main, start, metrics.tracker(config, workdir))
     cleanup.callback(writer.close)
     stop = checkpoint.StopRequest(manager)  # A SIGTERM from here on saves a step and exits.
     cleanup.callback(stop.close)
@@ -193,7 +195,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps
       elif is_due(done, config.train.log_every_steps, total):
         reporter.defer(done, step_metrics, check_step(state))
       if save_due:
-        manager.save(done, args=checkpoint.save_args(checkpoint.saved_tree(state)), force=True)
+        owner.check()
+        saver.save(done, state)
       if preempted:
         logging.warning('stop requested (SIGTERM or preemption) at step %d: saved, exiting', done)
         break

@@ -1,0 +1,122 @@
+"""One owner per workdir: a second job is refused, a dead owner's lease expires."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import REPO, experiment, read_metrics, run_cli
+from crash_test import _start, _wait_for_step
+from storage_test import ORBAX_INFO
+from zoo import lease
+
+
+def _args(workdir, steps):
+  return [f'--config={experiment("mlp_digits")}:smoke', f'--workdir={workdir}',
+          f'--config.train.steps={steps}', '--config.train.log_every_steps=1',
+          f'--config.eval.every_steps={steps}', '--config.checkpoint.every_steps=2']
+
+
+def _write_lease(workdir, **fields):
+  owner = {'host': 'elsewhere', 'pid': 4242, 'started': '2026-01-01T00:00:00+00:00',
+           'token': 'theirs', 'renewed': time.time(), 'ttl': 60.0, **fields}
+  (workdir / lease.LEASE).write_text(json.dumps(owner))
+
+
+def test_second_job_is_refused_and_a_killed_owner_does_not_block(tmp_path):
+  workdir = tmp_path / 'run'
+  with open(tmp_path / 'first.log', 'w', encoding='utf-8') as log:
+    first = _start(str(workdir), log, *_args(workdir, 100_000))
+  try:
+    _wait_for_step(str(workdir), first, 3)
+    second = run_cli(*_args(workdir, 10), timeout=120)
+    rows_before_kill = read_metrics(workdir)
+  finally:
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+  assert second.returncode != 0
+  line = second.stderr.strip().splitlines()[-1]
+  assert line.startswith(f'zoo: error: --workdir: {workdir} is owned by a live job (host '
+                         f'{socket.gethostname()}, process {first.pid}, started '), line
+  assert 'stop that job, or wait until its lease expires (60.0 s without renewal)' in line
+  assert 'Traceback' not in second.stderr
+  steps = [r['step'] for r in rows_before_kill if 'train/loss' in r]
+  assert steps == list(range(1, len(steps) + 1))  # Only the first job's rows, once each.
+  assert json.loads((workdir / lease.LEASE).read_text())['pid'] == first.pid  # Left by the kill.
+
+  # The owner is gone (SIGKILL): a restart takes over at once, resumes and finishes.
+  saved = max(int(s) for s in os.listdir(workdir / 'checkpoints') if s.isdigit())
+  third = run_cli(*_args(workdir, saved + 4), '--log_libraries', timeout=120)
+  assert third.returncode == 0, third.stderr[-3000:]
+  assert ORBAX_INFO in third.stderr  # --log_libraries: orbax's INFO lines too.
+  assert f'taking over {workdir} from host {socket.gethostname()} process {first.pid}' in third.stderr
+  assert not (workdir / lease.LEASE).exists() and not (workdir / lease.LOCK).exists()
+  steps = [r['step'] for r in read_metrics(workdir) if 'train/loss' in r]
+  assert steps == list(range(1, saved + 5))
+
+
+def test_a_live_owner_on_another_host_blocks_until_its_lease_expires(tmp_path):
+  _write_lease(tmp_path)
+  with pytest.raises(lease.WorkdirBusyError, match=r'owned by a live job \(host elsewhere, '
+                     r'process 4242, started 2026-01-01T00:00:00\+00:00, renewed 0 s ago\)'):
+    lease.Lease(str(tmp_path), 60.0).acquire()
+  assert json.loads((tmp_path / lease.LEASE).read_text())['token'] == 'theirs'  # Untouched.
+  _write_lease(tmp_path, renewed=time.time() - 61)  # Expired: taken over.
+  owner = lease.Lease(str(tmp_path), 60.0)
+  owner.acquire()
+  assert json.loads((tmp_path / lease.LEASE).read_text())['pid'] == os.getpid()
+  owner.release()
+  assert os.listdir(tmp_path) == []
+
+
+def test_renewal_keeps_the_lease_and_notices_a_takeover(tmp_path):
+  owner = lease.Lease(str(tmp_path), 0.4)  # Renews every 0.1 s.
+  owner.acquire()
+  first = json.loads((tmp_path / lease.LEASE).read_text())['renewed']
+  time.sleep(0.5)
+  assert json.loads((tmp_path / lease.LEASE).read_text())['renewed'] > first
+  owner.check()
+  _write_lease(tmp_path)  # Another job took over (say, after this one stalled past the ttl).
+  time.sleep(0.5)
+  with pytest.raises(lease.WorkdirBusyError, match=r'this run lost ownership \(host elsewhere '
+                                                    r'process 4242 took it over\)'):
+    owner.check()
+  owner.release()
+  assert json.loads((tmp_path / lease.LEASE).read_text())['token'] == 'theirs'  # Not ours to delete.
+
+
+def test_a_workdir_made_for_the_lease_is_removed_if_nothing_else_was_written(tmp_path):
+  owner = lease.Lease(str(tmp_path / 'a' / 'b'), 60.0)
+  owner.acquire()
+  owner.release()
+  assert os.listdir(tmp_path) == []
+
+
+def test_jobs_starting_together_have_one_winner(tmp_path):
+  script = textwrap.dedent(f"""
+      import sys, time
+      sys.path.insert(0, {REPO!r})
+      from zoo import lease
+      owner = lease.Lease({str(tmp_path)!r}, 60.0)
+      while time.time() < float(sys.argv[1]):  # Start together.
+        pass
+      try:
+        owner.acquire()
+      except lease.WorkdirBusyError:
+        print('busy')
+        sys.exit(0)
+      print('won', flush=True)
+      time.sleep(3)  # Alive while the others try.
+      owner.release()
+      """)
+  start = str(time.time() + 4)
+  procs = [subprocess.Popen([sys.executable, '-c', script, start], stdout=subprocess.PIPE,
+                            text=True) for _ in range(4)]
+  outputs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+  assert outputs == ['busy', 'busy', 'busy', 'won']
+  assert os.listdir(tmp_path) == []

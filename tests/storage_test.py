@@ -1,0 +1,73 @@
+"""A save that fails on real storage (a full filesystem): one line, nothing lost, resumable."""
+import contextlib
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import experiment, read_metrics, run_cli
+
+ORBAX_INFO = 'No errors found in background save thread'  # Orbax logs it per async save.
+
+
+@contextlib.contextmanager
+def _small_filesystem(path, size):
+  """A size-limited tmpfs at `path` (needs root, as in CI); skips the test where there is none."""
+  os.makedirs(path)
+  mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(path)],
+                           capture_output=True, check=False, timeout=30).returncode == 0
+  if not mounted:
+    pytest.skip('cannot mount a tmpfs here (not root)')
+  try:
+    yield
+  finally:
+    subprocess.run(['umount', '-l', str(path)], check=False, timeout=30)
+
+
+def _args(workdir, steps):
+  return [f'--config={experiment("mlp_digits")}:smoke', f'--workdir={workdir}',
+          f'--config.train.steps={steps}', '--config.train.log_every_steps=1',
+          f'--config.eval.every_steps={steps}', '--config.checkpoint.every_steps=2']
+
+
+def _fill(path, leave):
+  """Writes a file that leaves `leave` bytes free on path's filesystem."""
+  stat = os.statvfs(path)
+  with open(os.path.join(path, 'filler'), 'wb') as f:
+    f.write(b'\0' * max(stat.f_bavail * stat.f_frsize - leave, 0))
+
+
+def test_disk_full_during_a_save_names_step_path_cause_and_loses_nothing(tmp_path):
+  fs = tmp_path / 'fs'
+  workdir = fs / 'run'
+  with _small_filesystem(fs, '16m'):
+    first = run_cli(*_args(workdir, 4), timeout=180)
+    assert first.returncode == 0, first.stderr[-3000:]
+    # The console: zoo's lines, not orbax's INFO lines (--log_libraries shows them: lease_test).
+    for line in ('saving checkpoint step 2 to ', 'step 4/4  loss ', 'eval at step 4: '):
+      assert line in first.stderr
+    assert ORBAX_INFO not in first.stderr
+    checkpoints = workdir / 'checkpoints'
+    step_bytes = sum(f.stat().st_size for f in (checkpoints / '4').rglob('*') if f.is_file())
+    _fill(fs, step_bytes // 4)  # Room for metrics rows, not for a step.
+
+    full = run_cli(*_args(workdir, 8), timeout=180)
+    assert full.returncode != 0
+    assert 'Traceback' not in full.stderr, full.stderr[-3000:]
+    line = full.stderr.strip().splitlines()[-1]
+    assert line.startswith(f'zoo: error: saving checkpoint step 6 to {checkpoints} failed ('), line
+    assert 'failed (RESOURCE_EXHAUSTED: No space left on device); removed its partial files' in line
+    assert line.endswith('earlier checkpoints and metrics.jsonl are intact (the next run resumes '
+                         'from step 4). Free space or fix access to the storage, then run again'), line
+    assert sorted(os.listdir(checkpoints)) == ['2', '4']  # No partial step 6 left behind.
+    steps = [r['step'] for r in read_metrics(workdir) if 'train/loss' in r]  # Every line parses.
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 6
+    assert not (workdir / 'lease.json').exists()  # Released on the way out.
+
+    os.remove(fs / 'filler')
+    again = run_cli(*_args(workdir, 8), timeout=180)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert 'resuming from step 4' in again.stderr
+    assert [r['step'] for r in read_metrics(workdir) if 'train/loss' in r] == list(range(1, 9))
+    assert json.loads((workdir / 'config.json').read_text())['train']['steps'] == 8

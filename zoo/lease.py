@@ -1,0 +1,201 @@
+"""One owner per workdir: a lease that the running job renews and a restart takes over once
+it has expired.
+
+`workdir/lease.json` names the owner (host, process id, start time) and when it last
+renewed. Process 0 takes it before the run writes anything and renews it from a thread
+every `ttl / 4` seconds; a clean exit deletes it. A second job finds a live lease and
+stops with one line naming the owner. An owner that died leaves its lease behind, which
+blocks nobody for long: it expires `ttl` seconds after the last renewal, and at once
+when the owner was a process on this host that no longer exists (a SIGKILL, a crash).
+
+Every read-decide-write runs under an exclusive `flock` of `workdir/lease.lock` (held for
+milliseconds, deleted with the lease), so two jobs starting together cannot both win;
+flock works on local disks and on NFS (v4, or v3 with lockd). Lease times are wall clock:
+hosts sharing a workdir need clocks within a fraction of `ttl` (NTP gives milliseconds).
+"""
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Optional
+
+from absl import logging
+import jax
+from jax.experimental import multihost_utils
+import numpy as np
+
+from zoo.errors import ConfigError
+
+LEASE = 'lease.json'
+LOCK = 'lease.lock'
+
+
+class WorkdirBusyError(ConfigError):
+  """Another live job owns the workdir."""
+
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # Exists, owned by another user.
+    return True
+  return True
+
+
+class Lease:
+  """The workdir's ownership, held by this process from `acquire()` to `release()`."""
+
+  def __init__(self, workdir: str, ttl: float):
+    self.workdir, self.ttl = workdir, ttl
+    self.path = os.path.join(workdir, LEASE)
+    self.owner = {'host': socket.gethostname(), 'pid': os.getpid(),
+                  'started': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
+                  'token': uuid.uuid4().hex}
+    self.lost: Optional[str] = None  # Why renewing failed, if it did.
+    self._stop = threading.Event()
+    self._thread: Optional[threading.Thread] = None
+    self._created: list[str] = []  # Directories that acquire() made, deepest first.
+
+  @contextlib.contextmanager
+  def _locked(self):
+    """An exclusive flock of workdir/lease.lock. `release` deletes that file, so after
+    locking, check that the path still names the file locked (else lock the new one)."""
+    path = os.path.join(self.workdir, LOCK)
+    while True:
+      fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+          current = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+          current = False
+        if current:
+          yield
+          return
+      finally:
+        os.close(fd)  # Also unlocks.
+
+  def _read(self) -> Optional[dict]:
+    try:
+      with open(self.path, encoding='utf-8') as f:
+        return json.load(f)
+    except FileNotFoundError:
+      return None
+    except ValueError:  # Cut short by a crash mid-write (writes are atomic renames, but be safe).
+      return None
+
+  def _write(self) -> None:
+    tmp = f'{self.path}.{self.owner["token"]}.tmp'
+    with open(tmp, 'w', encoding='utf-8') as f:
+      json.dump({**self.owner, 'renewed': time.time(), 'ttl': self.ttl}, f)
+    os.replace(tmp, self.path)
+
+  def _expired(self, held: dict) -> str:
+    """Why `held` no longer binds anyone ('' if it is live)."""
+    if held.get('token') == self.owner['token']:
+      return 'ours'
+    if held.get('host') == self.owner['host']:
+      if held.get('pid') == self.owner['pid']:
+        return 'left by this process'
+      if not _pid_alive(int(held.get('pid', -1))):
+        return f'process {held.get("pid")} on this host is gone'
+    age = time.time() - float(held.get('renewed', 0))
+    if age > float(held.get('ttl', self.ttl)):
+      return f'not renewed for {age:.0f} s'
+    return ''
+
+  def acquire(self) -> None:
+    """Takes the workdir, or raises WorkdirBusyError naming its live owner."""
+    missing = self.workdir
+    while not os.path.exists(missing):  # Removed again by release() if nothing else is written.
+      self._created.append(missing)
+      missing = os.path.dirname(missing)
+    os.makedirs(self.workdir, exist_ok=True)
+    with self._locked():
+      held = self._read()
+      if held is not None:
+        why = self._expired(held)
+        if not why:
+          age = time.time() - float(held.get('renewed', 0))
+          raise WorkdirBusyError(
+              f'--workdir: {self.workdir} is owned by a live job (host {held.get("host")}, '
+              f'process {held.get("pid")}, started {held.get("started")}, renewed {age:.0f} s '
+              f'ago); stop that job, or wait until its lease expires ({held.get("ttl")} s '
+              'without renewal), or use another --workdir')
+        logging.warning('taking over %s from host %s process %s (%s)', self.workdir,
+                        held.get('host'), held.get('pid'), why)
+      self._write()
+    self._thread = threading.Thread(target=self._renew_loop, name='zoo-lease', daemon=True)
+    self._thread.start()
+
+  def _renew_loop(self) -> None:
+    while not self._stop.wait(self.ttl / 4):
+      try:
+        with self._locked():
+          held = self._read()
+          if held is None or held.get('token') != self.owner['token']:
+            self.lost = (f'host {held.get("host")} process {held.get("pid")} took it over'
+                         if held else 'its lease file was deleted')
+            logging.error('lost ownership of %s: %s', self.workdir, self.lost)
+            return
+          self._write()
+      except OSError as e:  # Storage trouble: keep trying until the lease would expire.
+        logging.warning('could not renew the lease on %s: %s', self.workdir, e)
+
+  def check(self) -> None:
+    """Raises WorkdirBusyError if another job has taken the workdir over."""
+    if self.lost:
+      raise WorkdirBusyError(f'--workdir: {self.workdir}: this run lost ownership ({self.lost}); '
+                             'stopped without saving, so as not to overwrite the new owner')
+
+  def release(self) -> None:
+    """Stops renewing and deletes the lease if it is still ours; a workdir that acquire()
+    created and nothing else wrote to is removed again."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+    with contextlib.suppress(OSError), self._locked():
+      held = self._read()
+      if held is not None and held.get('token') == self.owner['token']:
+        os.remove(self.path)
+        os.remove(os.path.join(self.workdir, LOCK))
+    for directory in self._created:
+      with contextlib.suppress(OSError):  # Not empty: the run wrote something.
+        os.rmdir(directory)
+
+
+class _NotOwner:
+  """What processes other than 0 hold: nothing to renew or release."""
+
+  def check(self) -> None:
+    pass
+
+  def release(self) -> None:
+    pass
+
+
+def hold(workdir: str, ttl: float) -> 'Lease | _NotOwner':
+  """Process 0 takes the workdir's lease for the job; every process raises
+  WorkdirBusyError if it could not, before anything else is written."""
+  owner, error = _NotOwner(), ''
+  if jax.process_index() == 0:
+    owner = Lease(workdir, ttl)
+    try:
+      owner.acquire()
+    except WorkdirBusyError as e:
+      error = str(e)
+  if jax.process_count() > 1:
+    taken = bool(multihost_utils.broadcast_one_to_all(np.array(not error)))
+    if not taken and not error:
+      error = (f'--workdir: {workdir} is owned by another live job (process 0 says which); '
+               'stop it, or use another --workdir')
+  if error:
+    raise WorkdirBusyError(error)
+  return owner
