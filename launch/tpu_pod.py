@@ -1,12 +1,13 @@
 r"""Runs one zoo command on every worker of a Cloud TPU pod slice (a TPU VM).
 
     python launch/tpu_pod.py --tpu=my-v5p-64 --zone=us-east5-a [--project=P] [--dry_run] -- \
-        --config=experiments/char_lm.py --workdir=/mnt/runs/lm --config.mesh.shape="(-1,4)"
+        --config=experiments/char_lm.py --workdir=gs://my-bucket/runs/lm --config.mesh.shape="(-1,4)"
 
 It packs the committed tree (`git archive HEAD`), copies it to every worker, installs it with
-its `tpu` extra (`pip install -e '.[tpu]'`: JAX and libtpu), and starts `python -m zoo.main`
-on all workers at once (`--worker=all`). On a TPU VM zoo auto-detects the pod and calls jax.distributed.initialize, so no coordinator flags are
-needed. The workdir must be a directory every worker mounts (NFS, or a bucket through gcsfuse).
+its `tpu` and `gcs` extras (`pip install -e '.[tpu,gcs]'`: JAX with libtpu, gcsfs for gs://
+workdirs), and starts `python -m zoo.main` on all workers at once (`--worker=all`). On a TPU
+VM zoo auto-detects the pod and calls jax.distributed.initialize, so no coordinator flags
+are needed. The workdir is a gs:// bucket path or a directory every worker mounts (NFS).
 --dry_run prints the exact commands instead of running them.
 """
 import argparse
@@ -25,7 +26,7 @@ def commands(tpu, zone, project, zoo_args, remote_dir='~/zoo'):
   archive = f'/tmp/zoo-{tpu}.tar.gz'
   where = [f'--zone={zone}'] + ([f'--project={project}'] if project else [])
   run = (f'mkdir -p {remote_dir} && tar -xzf ~/zoo.tar.gz -C {remote_dir} && cd {remote_dir} && '
-         f"python3 -m pip install -q -e '.[tpu]' && "
+         f"python3 -m pip install -q -e '.[tpu,gcs]' && "
          f'python3 -m zoo.main {shlex.join(zoo_args)}')
   return [
       ['git', '-C', REPO, 'archive', '--format=tar.gz', f'--output={archive}', 'HEAD'],

@@ -25,7 +25,7 @@ def test_tpu_pod_dry_run_deploys_and_runs_on_every_worker():
   assert ssh[:8] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod', '--worker=all',
                      '--zone=us-east5-a']
   remote = ssh[-1].removeprefix('--command=')
-  assert "pip install -q -e '.[tpu]' && " in remote  # The tpu extra: JAX and libtpu.
+  assert "pip install -q -e '.[tpu,gcs]' && " in remote  # JAX with libtpu; gs:// workdirs.
   # The user's arguments reach zoo.main intact, quoting included.
   assert shlex.split(remote.split('python3 -m zoo.main ')[1]) == ZOO_ARGS
   assert len(lines) == 3

@@ -7,9 +7,7 @@ writes its own shards; restores read into abstract targets that carry the *curre
 shardings, so a checkpoint written on one mesh restores onto any other.
 """
 import contextlib
-import os
 import re
-import shutil
 import signal
 import threading
 from typing import TYPE_CHECKING, Any, Optional
@@ -21,6 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
+from zoo import storage
 from zoo.errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -71,12 +70,12 @@ def _handler(replica_parallel=False, compress=True):
 
 
 def directory_of(workdir: str) -> str:
-  return os.path.abspath(os.path.join(workdir, 'checkpoints'))
+  return storage.join(workdir, 'checkpoints')
 
 
 def exists_on_process_0(workdir: str) -> bool:
   """Whether workdir/checkpoints exists, as process 0 sees it: one answer for every host."""
-  exists = os.path.isdir(directory_of(workdir))
+  exists = storage.path(directory_of(workdir)).is_dir()
   if jax.process_count() == 1:
     return exists
   return bool(multihost_utils.broadcast_one_to_all(np.array(exists)))
@@ -169,12 +168,12 @@ def restore_latest(manager: ocp.CheckpointManager, target: dict,
 
 def _move_aside(manager, step):
   """Renames a damaged step directory (on process 0) so that the step can be saved again."""
-  path = os.path.join(str(manager.directory), str(step))
+  path = storage.path(manager.directory) / str(step)
   if jax.process_index() == 0:
     suffix = 0
-    while os.path.exists(f'{path}.damaged' + (f'.{suffix}' if suffix else '')):
+    while path.with_name(f'{step}.damaged' + (f'.{suffix}' if suffix else '')).exists():
       suffix += 1
-    os.rename(path, f'{path}.damaged' + (f'.{suffix}' if suffix else ''))
+    path.rename(path.with_name(f'{step}.damaged' + (f'.{suffix}' if suffix else '')))
   multihost_utils.sync_global_devices(f'zoo_move_aside_{step}')
   manager.reload()
 
@@ -189,10 +188,11 @@ def latest_metadata(directory: str) -> Any:
 def restore_params(path: str, params_target: Any,
                    field: str = 'config.checkpoint.init_from') -> tuple[Any, int, str]:
   """Params only, from another run's workdir or checkpoint directory (its latest step)."""
-  directory = os.path.abspath(path)
-  if os.path.isdir(os.path.join(directory, 'checkpoints')):
-    directory = os.path.join(directory, 'checkpoints')
-  if not os.path.isdir(directory):
+  directory = storage.path(path)
+  if (directory / 'checkpoints').is_dir():
+    directory = directory / 'checkpoints'
+  directory = str(directory)
+  if not storage.path(directory).is_dir():
     raise CheckpointError(f'{field}: {path} is not a directory; give a '
                           'run\'s workdir or its checkpoints/ directory')
   with ocp.CheckpointManager(directory, item_handlers=_handler(),
@@ -299,7 +299,7 @@ class Saver:
 
 def _complete_steps(directory: str) -> list[int]:
   try:
-    return [int(d) for d in os.listdir(directory) if d.isdigit()]
+    return [int(d) for d in storage.listdir(directory) if d.isdigit()]
   except OSError:
     return []
 
@@ -310,13 +310,14 @@ def _remove_partial(directory: str, step: Optional[int]) -> bool:
     return False
   found = False
   try:
-    names = os.listdir(directory)
+    names = storage.listdir(directory)
   except OSError:
     return False
   for name in names:
     if name.startswith(f'{step}.orbax-checkpoint-tmp'):
       found = True
-      shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+      with contextlib.suppress(OSError):
+        (storage.path(directory) / name).rmtree()
   return found
 
 

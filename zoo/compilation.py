@@ -22,7 +22,9 @@ jax.monitoring.register_event_listener(_count)
 
 def enable_cache(directory: str) -> None:
   """Caches every compiled program in `directory` (call before anything compiles)."""
-  jax.config.update('jax_compilation_cache_dir', os.path.abspath(directory))
+  # A gs:// URL is JAX's to read and write (through etils.epath, as the workdir's files).
+  jax.config.update('jax_compilation_cache_dir',
+                    directory if '://' in directory else os.path.abspath(directory))
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)  # Small steps too.
   jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)
 

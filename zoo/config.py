@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 import ml_collections
 
-from zoo import data, models, optim, sharding, tasks
+from zoo import data, models, optim, sharding, storage, tasks
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError, fail
 
@@ -224,9 +224,9 @@ def validate_shardings(param_rows: list, mesh: jax.sharding.Mesh, rules: tuple) 
 
 def check_workdir(workdir: str) -> None:
   """Fails if `workdir` cannot be created or written, without creating anything."""
-  if '://' in workdir:
-    raise ConfigError(f'--workdir: {workdir}: remote URLs are not supported yet; use a directory '
-                      'that every host mounts (NFS, or a bucket through gcsfuse)')
+  if storage.is_remote(workdir):
+    storage.check_bucket(workdir, '--workdir')
+    return
   path = os.path.abspath(workdir)
   if os.path.exists(path) and not os.path.isdir(path):
     raise ConfigError(f'--workdir: {workdir} exists and is not a directory; pick another path')

@@ -10,8 +10,9 @@ when the owner was a process on this host that no longer exists (a SIGKILL, a cr
 
 Every read-decide-write runs under an exclusive `flock` of `workdir/lease.lock` (held for
 milliseconds, deleted with the lease), so two jobs starting together cannot both win;
-flock works on local disks and on NFS (v4, or v3 with lockd). Lease times are wall clock:
-hosts sharing a workdir need clocks within a fraction of `ttl` (NTP gives milliseconds).
+flock works on local disks and on NFS (v4, or v3 with lockd). A gs:// bucket has no locks:
+there every write is conditional on the generation read (BucketLease). Lease times are wall
+clock: hosts sharing a workdir need clocks within a fraction of `ttl` (NTP gives ms).
 """
 import contextlib
 import datetime
@@ -29,6 +30,7 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from zoo import storage
 from zoo.errors import ConfigError
 
 LEASE = 'lease.json'
@@ -54,7 +56,7 @@ class Lease:
 
   def __init__(self, workdir: str, ttl: float):
     self.workdir, self.ttl = workdir, ttl
-    self.path = os.path.join(workdir, LEASE)
+    self.path = storage.join(workdir, LEASE)
     self.owner = {'host': socket.gethostname(), 'pid': os.getpid(),
                   'started': datetime.datetime.now().astimezone().isoformat(timespec='seconds'),
                   'token': uuid.uuid4().hex}
@@ -111,13 +113,20 @@ class Lease:
       return f'not renewed for {age:.0f} s'
     return ''
 
-  def acquire(self) -> None:
-    """Takes the workdir, or raises WorkdirBusyError naming its live owner."""
+  def _prepare(self) -> None:
     missing = self.workdir
     while not os.path.exists(missing):  # Removed again by release() if nothing else is written.
       self._created.append(missing)
       missing = os.path.dirname(missing)
     os.makedirs(self.workdir, exist_ok=True)
+
+  def _remove(self) -> None:
+    os.remove(self.path)
+    os.remove(os.path.join(self.workdir, LOCK))
+
+  def acquire(self) -> None:
+    """Takes the workdir, or raises WorkdirBusyError naming its live owner."""
+    self._prepare()
     with self._locked():
       held = self._read()
       if held is not None:
@@ -131,7 +140,12 @@ class Lease:
               'without renewal), or use another --workdir')
         logging.warning('taking over %s from host %s process %s (%s)', self.workdir,
                         held.get('host'), held.get('pid'), why)
-      self._write()
+      try:
+        self._write()
+      except _Taken:
+        raise WorkdirBusyError(f'--workdir: {self.workdir} was taken by another job starting at '
+                               'the same moment; stop one of them, or use another --workdir'
+                               ) from None
     self._thread = threading.Thread(target=self._renew_loop, name='zoo-lease', daemon=True)
     self._thread.start()
 
@@ -146,7 +160,9 @@ class Lease:
             logging.error('lost ownership of %s: %s', self.workdir, self.lost)
             return
           self._write()
-      except OSError as e:  # Storage trouble: keep trying until the lease would expire.
+      except _Taken:
+        continue  # Read again: the next round says who has it.
+      except Exception as e:  # pylint: disable=broad-except  # Storage trouble: keep trying.
         logging.warning('could not renew the lease on %s: %s', self.workdir, e)
 
   def check(self) -> None:
@@ -161,14 +177,62 @@ class Lease:
     self._stop.set()
     if self._thread is not None:
       self._thread.join()
-    with contextlib.suppress(OSError), self._locked():
+    with contextlib.suppress(Exception), self._locked():  # Best effort: it expires anyway.
       held = self._read()
       if held is not None and held.get('token') == self.owner['token']:
-        os.remove(self.path)
-        os.remove(os.path.join(self.workdir, LOCK))
+        self._remove()
     for directory in self._created:
       with contextlib.suppress(OSError):  # Not empty: the run wrote something.
         os.rmdir(directory)
+
+
+class _Taken(Exception):
+  """A conditional write found that someone else wrote the lease since it was read."""
+
+
+class BucketLease(Lease):
+  """The lease as a gs:// object: no locks in a bucket, so every write is conditional on
+  the generation read before it (GCS preconditions): of two jobs racing, one write fails."""
+
+  def __init__(self, workdir: str, ttl: float):
+    super().__init__(workdir, ttl)
+    from google.cloud import storage as gcs  # pylint: disable=import-outside-toplevel
+    bucket, _, name = self.path.removeprefix('gs://').partition('/')
+    self._blob = gcs.Client().bucket(bucket).blob(name)
+    self._generation = 0  # Of the lease object last read; 0: there was none.
+
+  def _prepare(self) -> None:
+    pass
+
+  @contextlib.contextmanager
+  def _locked(self):
+    yield
+
+  def _read(self) -> Optional[dict]:
+    from google.api_core import exceptions  # pylint: disable=import-outside-toplevel
+    try:
+      self._blob.reload()
+      data = self._blob.download_as_bytes(if_generation_match=self._blob.generation)
+      self._generation = self._blob.generation
+      return json.loads(data)
+    except exceptions.NotFound:
+      self._generation = 0
+      return None
+    except (exceptions.PreconditionFailed, ValueError):  # Rewritten while read: read again.
+      return self._read()
+
+  def _write(self) -> None:
+    from google.api_core import exceptions  # pylint: disable=import-outside-toplevel
+    record = json.dumps({**self.owner, 'renewed': time.time(), 'ttl': self.ttl})
+    try:
+      self._blob.upload_from_string(record, content_type='application/json',
+                                    if_generation_match=self._generation)
+    except exceptions.PreconditionFailed:
+      raise _Taken() from None
+    self._generation = self._blob.generation
+
+  def _remove(self) -> None:
+    self._blob.delete(if_generation_match=self._generation)
 
 
 class _NotOwner:
@@ -186,7 +250,7 @@ def hold(workdir: str, ttl: float) -> 'Lease | _NotOwner':
   WorkdirBusyError if it could not, before anything else is written."""
   owner, error = _NotOwner(), ''
   if jax.process_index() == 0:
-    owner = Lease(workdir, ttl)
+    owner = (BucketLease if storage.is_remote(workdir) else Lease)(workdir, ttl)
     try:
       owner.acquire()
     except WorkdirBusyError as e:

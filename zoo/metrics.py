@@ -10,8 +10,25 @@ from typing import Any, Optional
 
 from absl import logging
 
+from zoo import storage
+
 _ZOO_DIR = os.path.dirname(os.path.abspath(__file__))
 _STDLIB = sysconfig.get_paths()['stdlib']
+
+
+def _summary_writer_class() -> Any:
+  """tensorboardX.SummaryWriter, imported without torch: tensorboardX imports torch when it
+  is installed, only to accept torch tensors (zoo passes floats and strings), and that costs
+  each run about a second of start-up."""
+  if 'torch' in sys.modules:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    return SummaryWriter
+  sys.modules['torch'] = None  # `import torch` raises ImportError while this is set.
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+  finally:
+    del sys.modules['torch']
+  return SummaryWriter
 
 
 class MetricWriter:
@@ -27,17 +44,20 @@ class MetricWriter:
     self._active = active
     self._wandb = wandb if active else None
     if active:
-      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-      path = os.path.join(workdir, 'metrics.jsonl')
-      logged = 0
-      if os.path.exists(path):
-        with open(path, encoding='utf-8') as f:
-          lines = list(f)
+      summary_writer = _summary_writer_class()
+      self._path = path = storage.join(workdir, 'metrics.jsonl')
+      logged, kept = 0, []
+      if storage.path(path).exists():
+        lines = storage.read_text(path).splitlines(keepends=True)
         logged = max((s for s in map(_step_of, lines) if s != float('inf')), default=0)
-        with open(path, 'w', encoding='utf-8') as f:
-          f.writelines(line for line in lines if _step_of(line) <= start_step)
-      self._jsonl = open(path, 'a', encoding='utf-8')
-      self._tb = SummaryWriter(logdir=workdir, flush_secs=10, purge_step=start_step + 1)
+        kept = [line for line in lines if _step_of(line) <= start_step]
+        if not storage.is_remote(path):
+          with open(path, 'w', encoding='utf-8') as f:
+            f.writelines(kept)
+      # A bucket object cannot be appended to: there the file is rewritten whole per row.
+      self._rows = kept if storage.is_remote(path) else None
+      self._jsonl = None if storage.is_remote(path) else open(path, 'a', encoding='utf-8')
+      self._tb = summary_writer(logdir=workdir, flush_secs=10, purge_step=start_step + 1)
       if self._wandb:
         self._wandb.start(logged)
 
@@ -45,8 +65,12 @@ class MetricWriter:
     if not self._active:
       return
     row = {'step': int(step), **{k: float(v) for k, v in scalars.items()}}
-    self._jsonl.write(json.dumps(row) + '\n')
-    self._jsonl.flush()
+    if self._jsonl:
+      self._jsonl.write(json.dumps(row) + '\n')
+      self._jsonl.flush()
+    else:
+      self._rows.append(json.dumps(row) + '\n')
+      storage.write_text(self._path, ''.join(self._rows))
     for name, value in row.items():
       if name != 'step':
         self._tb.add_scalar(name, value, global_step=row['step'])
@@ -61,7 +85,8 @@ class MetricWriter:
 
   def close(self) -> None:
     if self._active:
-      self._jsonl.close()
+      if self._jsonl:
+        self._jsonl.close()
       self._tb.close()
       if self._wandb:
         self._wandb.close()
@@ -86,16 +111,16 @@ class WandbWriter:
   def start(self, logged: int) -> None:
     """Opens (or resumes) the run; rows up to step `logged` are already in it."""
     import wandb  # pylint: disable=import-outside-toplevel
-    id_file = os.path.join(self.workdir, 'wandb_run.json')
-    if os.path.exists(id_file):
-      with open(id_file, encoding='utf-8') as f:
-        run_id = json.load(f)['id']
+    id_file = storage.join(self.workdir, 'wandb_run.json')
+    if storage.path(id_file).exists():
+      run_id = json.loads(storage.read_text(id_file))['id']
       self.after = logged
     else:  # W&B newly turned on: nothing was sent yet.
       run_id = uuid.uuid4().hex[:12]
       write_json(self.workdir, 'wandb_run.json', {'id': run_id, 'project': self.project})
     self.run = wandb.init(project=self.project, entity=self.entity, id=run_id, resume='allow',
-                          dir=self.workdir, mode=self.mode, config=self.config,
+                          dir=None if storage.is_remote(self.workdir) else self.workdir,
+                          mode=self.mode, config=self.config,
                           settings=wandb.Settings(console='off', silent=True))
     logging.info('W&B run %s (%s, project %s)%s', run_id, self.mode, self.project,
                  f', continuing after step {self.after}' if self.after else '')
@@ -124,8 +149,8 @@ def tracker(config: Any, workdir: str) -> Optional[WandbWriter]:
 
 def write_json(workdir: str, name: str, obj: Any) -> None:
   """workdir/name: `obj` as indented JSON, or a string already in JSON."""
-  with open(os.path.join(workdir, name), 'w', encoding='utf-8') as f:
-    f.write(obj if isinstance(obj, str) else json.dumps(obj, indent=2))
+  storage.write_text(storage.join(workdir, name),
+                     obj if isinstance(obj, str) else json.dumps(obj, indent=2))
 
 
 def _step_of(line):

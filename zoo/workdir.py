@@ -1,12 +1,13 @@
-"""What a run's workdir holds, for the tools that read one (zoo.sample, zoo.convert): its
-config, its checkpoints and the data or tokenizer that encodes its text."""
+"""What a run's workdir (a directory or a gs:// bucket path) holds, for the tools that read
+one (zoo.sample, zoo.convert): its config, its checkpoints and the data or tokenizer that
+encodes its text."""
 import json
 import os
 from typing import Any
 
 import ml_collections
 
-from zoo import checkpoint, data, models, tasks
+from zoo import checkpoint, data, models, storage, tasks
 from zoo.data import tokens
 from zoo.data.dataset import Dataset
 from zoo.errors import CheckpointError, ConfigError
@@ -17,8 +18,7 @@ TOKENIZER = 'tokenizer.json'  # An imported model's own tokenizer, beside its co
 def read_json(path: str, flag: str) -> Any:
   """A JSON file that `flag` pointed at; ConfigError naming both if it does not parse."""
   try:
-    with open(path, encoding='utf-8') as f:
-      return json.load(f)
+    return json.loads(storage.read_text(path))
   except ValueError as e:
     raise ConfigError(f'{flag}: {path} is not valid JSON ({e})') from None
 
@@ -28,11 +28,13 @@ def load_run(workdir: str, require_lm: bool = True) -> tuple[ml_collections.Conf
 
   Checks that the run has a complete checkpoint and (`require_lm`) trained a language model.
   """
-  if not os.path.isdir(workdir):
+  if storage.is_remote(workdir):
+    storage.check_bucket(workdir, '--workdir')
+  if not storage.path(workdir).is_dir():
     raise ConfigError(f'--workdir: {workdir} is not a directory; give the workdir of a training '
                       'run')
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.isfile(path):
+  path = storage.join(workdir, 'config.json')
+  if not storage.path(path).is_file():
     raise ConfigError(f'--workdir: {workdir} has no config.json; give the workdir of a training '
                       'run')
   config = ml_collections.ConfigDict(read_json(path, '--workdir'))
@@ -45,7 +47,7 @@ def load_run(workdir: str, require_lm: bool = True) -> tuple[ml_collections.Conf
     raise ConfigError(f'--workdir: the run trained on data.path={config.data.path}, not found from '
                       f'{os.getcwd()}; run from the directory that training ran in')
   directory = checkpoint.directory_of(workdir)
-  if not os.path.isdir(directory) or not any(d.isdigit() for d in os.listdir(directory)):
+  if not any(d.isdigit() for d in storage.listdir(directory)):
     raise CheckpointError(f'--workdir: {workdir} has no complete checkpoint yet; train it first')
   return config, directory
 
