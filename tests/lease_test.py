@@ -90,9 +90,14 @@ def test_renewal_keeps_the_lease_and_notices_a_takeover(tmp_path):
   assert json.loads((tmp_path / lease.LEASE).read_text())['token'] == 'theirs'  # Not ours to delete.
 
 
-def test_a_workdir_made_for_the_lease_is_removed_if_nothing_else_was_written(tmp_path):
-  owner = lease.Lease(str(tmp_path / 'a' / 'b'), 60.0)
+@pytest.mark.parametrize('relative', [False, True])
+def test_a_workdir_made_for_the_lease_is_removed_if_nothing_else_was_written(
+    relative, tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # A relative workdir (runs/x, as in the README) whose parents
+  workdir = os.path.join('a', 'b') if relative else str(tmp_path / 'a' / 'b')  # are missing.
+  owner = lease.Lease(workdir, 60.0)
   owner.acquire()
+  assert (tmp_path / 'a' / 'b' / lease.LEASE).exists()
   owner.release()
   assert os.listdir(tmp_path) == []
 

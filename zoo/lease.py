@@ -114,7 +114,7 @@ class Lease:
     return ''
 
   def _prepare(self) -> None:
-    missing = self.workdir
+    missing = os.path.abspath(self.workdir)  # A relative path's dirname ends at '', not '/'.
     while not os.path.exists(missing):  # Removed again by release() if nothing else is written.
       self._created.append(missing)
       missing = os.path.dirname(missing)
