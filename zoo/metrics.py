@@ -6,6 +6,7 @@ import os
 import sys
 import sysconfig
 import uuid
+import warnings
 from typing import Any, Optional
 
 from absl import logging
@@ -215,3 +216,6 @@ def quiet_libraries() -> None:
   """Keeps the console to zoo's lines (progress, evals, samples, saves) and warnings."""
   logging.get_absl_handler().addFilter(_ZooLinesOnly())
   _drop_closed_loop_errors()
+  # After a failed save, orbax's abandoned coroutines warn at exit, after zoo's error line.
+  warnings.filterwarnings('ignore', message='coroutine .* was never awaited',
+                          category=RuntimeWarning)
