@@ -210,16 +210,20 @@ class BucketLease(Lease):
 
   def _read(self) -> Optional[dict]:
     from google.api_core import exceptions  # pylint: disable=import-outside-toplevel
-    try:
-      self._blob.reload()
-      data = self._blob.download_as_bytes(if_generation_match=self._blob.generation)
+    while True:
+      try:
+        self._blob.reload()
+        data = self._blob.download_as_bytes(if_generation_match=self._blob.generation)
+      except exceptions.NotFound:
+        self._generation = 0
+        return None
+      except exceptions.PreconditionFailed:  # Rewritten between the two calls: read again.
+        continue
       self._generation = self._blob.generation
-      return json.loads(data)
-    except exceptions.NotFound:
-      self._generation = 0
-      return None
-    except (exceptions.PreconditionFailed, ValueError):  # Rewritten while read: read again.
-      return self._read()
+      try:
+        return json.loads(data)
+      except ValueError:  # Not a lease zoo wrote: held by nobody (overwritten conditionally).
+        return None
 
   def _write(self) -> None:
     from google.api_core import exceptions  # pylint: disable=import-outside-toplevel
