@@ -100,11 +100,12 @@ class Trainer:
     return self.train_batch(step)
 
   def run(self, steps):
-    """Trains `steps` steps from the initial state into `self.state`; returns the losses."""
-    losses = []
+    """Trains `steps` steps from the initial state into `self.state`; returns the losses
+    (and keeps every step's metrics, as floats, in `self.metrics`)."""
+    self.metrics = []
     with self.scope():
       self.state = self.jax.tree.map(lambda x: x.copy(), self.initial)  # The step donates it.
       for step in range(steps):
         self.state, metrics = self.train_step(self.state, self.batch(step))
-        losses.append(float(metrics['train/loss']))
-    return losses
+        self.metrics.append({k: float(v) for k, v in metrics.items()})
+    return [m['train/loss'] for m in self.metrics]
