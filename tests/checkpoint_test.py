@@ -89,19 +89,34 @@ def test_resume_on_another_mesh(straight, shape, tmp_path, devices):
 
 
 def test_eight_devices_to_one_and_back(straight, tmp_path):
+  """Step N of the 8-device run, resumed on one device, trains on as the 8-device run did;
+  that device's own checkpoint, resumed on 8 devices, likewise (losses within float32
+  rounding of the other meshes, the final parameters too)."""
   one = tmp_path / 'one'
   shutil.copytree(os.path.join(straight, 'checkpoints', str(N)), one / 'checkpoints' / str(N))
-  args = [f'--config={experiment("mlp_digits")}:smoke', f'--config.train.steps={2 * N + 3}',
-          '--config.train.log_every_steps=1', f'--config.checkpoint.every_steps={N}']
-  result = run_cli(*args, f'--workdir={one}', '--config.mesh.shape=(1,1)', devices=1)
+  every = N // 2  # The one-device run saves at 1.5 N (then 2 N).
+  args = [f'--config={experiment("mlp_digits")}:smoke', f'--config.train.steps={2 * N}',
+          '--config.train.log_every_steps=1', f'--config.checkpoint.every_steps={every}',
+          f'--config.eval.every_steps={2 * N}', f'--workdir={one}']
+  result = run_cli(*args, '--config.mesh.shape=(1,1)', devices=1)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert 'resuming from step 6' in result.stderr
+  assert f'resuming from step {N}' in result.stderr
+  reference, resumed = _losses(straight), _losses(str(one))
+  assert sorted(resumed) == list(range(N + 1, 2 * N + 1))
+  np.testing.assert_allclose([resumed[s] for s in sorted(resumed)],
+                             [reference[s] for s in sorted(resumed)], rtol=2e-5)
   # ...and back onto 8 devices, from the checkpoint that one device wrote.
-  result = run_cli(*args[:1], f'--config.train.steps={2 * N + 5}', *args[2:], f'--workdir={one}',
-                   '--config.mesh.shape=(2,4)', devices=8)
+  os.rename(one / 'checkpoints' / str(2 * N), tmp_path / 'set_aside')
+  result = run_cli(*args, '--config.mesh.shape=(2,4)', devices=8)
   assert result.returncode == 0, result.stderr[-3000:]
-  assert f'resuming from step {2 * N + 3}' in result.stderr
-  assert max(_losses(str(one))) == 2 * N + 5
+  assert f'resuming from step {N + every}' in result.stderr
+  resumed = _losses(str(one))
+  assert sorted(resumed) == list(range(N + 1, 2 * N + 1))
+  np.testing.assert_allclose([resumed[s] for s in sorted(resumed)],
+                             [reference[s] for s in sorted(resumed)], rtol=2e-5)
+  final, want = _restore(str(one), _config()), _restore(straight, _config())
+  for x, y in zip(jax.tree.leaves(final['params']), jax.tree.leaves(want['params'])):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
 
 
 def _digest(directory):
