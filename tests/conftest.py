@@ -54,6 +54,16 @@ def run_cli(*args, devices=8, timeout=300):
                         check=False)
 
 
+def count_calls(monkeypatch, module, name):
+  """Replaces module.name by a wrapper that counts its calls; returns the list of calls."""
+  original, calls = getattr(module, name), []
+  def counted(*args, **kwargs):
+    calls.append(1)
+    return original(*args, **kwargs)
+  monkeypatch.setattr(module, name, counted)
+  return calls
+
+
 @pytest.fixture(scope='session')
 def devices():
   import jax  # pylint: disable=import-outside-toplevel

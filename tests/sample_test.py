@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, load_config
-from zoo import sample, train
+from conftest import REPO, count_calls, load_config
+from zoo import decode, sample, train
 from zoo.errors import CheckpointError, ConfigError
 
 PROMPT = 'The '
@@ -49,6 +49,25 @@ def test_greedy_is_the_same_on_one_and_eight_devices(lm_workdir, devices):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout == text + '\n'
   assert 'sampling on one device' in result.stderr
+
+
+@pytest.mark.parametrize('temperature', [0.0, 1.0])
+def test_the_cache_gives_the_same_tokens_on_every_mesh(lm_workdir, temperature, monkeypatch,
+                                                       devices):
+  """A sample within max_len takes the key/value cache by default; on every mesh (rows over
+  'batch', heads and the cache over 'model') it picks the tokens that recomputing every
+  window picks on the default mesh (itself the same as one device's, above)."""
+  del devices
+  prompts, num_tokens = ['The ', 'x = '], 20  # 4 + 20 <= max_len 32.
+  options = dict(num_samples=4, seed=7, temperature=temperature)  # 8 rows: split over 'batch'.
+  want = [s['ids'] for s in sample.generate(lm_workdir, prompts, num_tokens, decoding='recompute',
+                                            **options)]
+  assert len(set(map(tuple, want))) > 2 if temperature else len(set(map(tuple, want))) == 2
+  cached = count_calls(monkeypatch, decode, 'generate_cached')
+  for mesh_shape in ('8,1', '4,2', '2,4', '1,8'):
+    got = sample.generate(lm_workdir, prompts, num_tokens, mesh_shape=mesh_shape, **options)
+    assert [s['ids'] for s in got] == want, mesh_shape
+  assert len(cached) == 4  # Every mesh decoded from the cache.
 
 
 def test_top_1_equals_greedy(lm_workdir, devices):

@@ -198,10 +198,13 @@ def test_sampling_encodes_and_decodes_with_the_datasets_tokenizer(dataset_dir, t
   workdir = str(tmp_path / 'run')
   train.train_and_evaluate(_config(dataset_dir, **{'train.steps': 2, 'eval.max_batches': 1,
                                                    'checkpoint.async_save': False}), workdir)
-  prompt = 'caf\u00e9 \u2603 '
-  [greedy] = sample.generate_text(workdir, prompt, 24, temperature=0.0)
-  assert greedy.startswith(prompt) and len(greedy.encode('utf-8', 'replace')) >= len(prompt.encode())
-  assert sample.generate_text(workdir, prompt, 24, temperature=0.0, mesh_shape='1,8') == [greedy]
+  prompt, num_tokens = 'caf\u00e9 \u2603 ', 20  # 10 bytes + 20 <= max_len 32: the cache.
+  [greedy] = sample.generate(workdir, [prompt], num_tokens, temperature=0.0)
+  assert greedy['prompt_ids'] == list(prompt.encode('utf-8'))  # Byte tokens: ids are bytes.
+  assert len(greedy['ids']) == num_tokens and greedy['sample'] == prompt + greedy['text']
+  for mesh_shape in ('1,8', '4,2'):
+    assert sample.generate(workdir, [prompt], num_tokens, temperature=0.0,
+                           mesh_shape=mesh_shape) == [greedy]
 
 
 def test_the_bpe_experiment_trains_on_a_token_dataset(tmp_path, devices):
