@@ -19,10 +19,15 @@ def test_plan_matches_the_compiled_step_and_the_real_state(name, devices):
   t = trainer(name, **overrides)  # The real state and step of the same config.
   with t.scope():
     memory = t.train_step.lower(t.state, t.batch(0)).compile().memory_analysis()
+  # The peak: arguments and outputs, less the outputs that reuse donated arguments, plus
+  # temporaries and code.
+  peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+          + memory.temp_size_in_bytes + memory.generated_code_size_in_bytes)
   assert p['compiled_memory'] == {
       'arguments': memory.argument_size_in_bytes, 'outputs': memory.output_size_in_bytes,
       'aliased': memory.alias_size_in_bytes, 'temporaries': memory.temp_size_in_bytes,
-      'code': memory.generated_code_size_in_bytes, 'peak': p['compiled_memory']['peak']}
+      'code': memory.generated_code_size_in_bytes, 'peak': peak}
+  assert memory.alias_size_in_bytes > 0 and memory.temp_size_in_bytes > 0  # Each term counts.
   held = p['bytes_per_device']
   assert held['params'] == _device0_bytes(t.state.params)
   assert held['optimizer'] == _device0_bytes(t.state.opt_state)
@@ -31,6 +36,10 @@ def test_plan_matches_the_compiled_step_and_the_real_state(name, devices):
   # The step's arguments are exactly the state and the batch.
   assert sum(held.values()) == p['compiled_memory']['arguments']
   assert p['step_cost']['model_flops'] > 0 and p['fits'] is None
+  # The verdict: a budget a byte above the peak fits, a byte below does not.
+  for extra, fits in ((1, True), (-1, False)):
+    verdict = plan.make_plan(load_config(name, **overrides), (peak + extra) / 2**30)
+    assert verdict['fits'] is fits and verdict['device_memory_bytes'] == peak + extra
 
 
 def test_collectives_follow_the_rules(devices):
