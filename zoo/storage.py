@@ -16,9 +16,21 @@ def is_remote(path: Union[str, os.PathLike]) -> bool:
   return '://' in str(path)
 
 
+def _uncached_listings() -> None:
+  """gcsfs caches directory listings for the life of its filesystem object, which etils
+  and orbax share: a process would not see the steps another job (or a run it started)
+  wrote since it first listed a directory. Listings are made fresh, before that object
+  exists (fsspec applies its config when it builds one)."""
+  import fsspec  # pylint: disable=import-outside-toplevel
+  fsspec.config.conf.setdefault('gcs', {})['use_listings_cache'] = False
+
+
 def path(p: Union[str, os.PathLike]) -> epath.Path:
   """An epath.Path: absolute for a local path, unchanged for a bucket URL."""
-  return epath.Path(str(p) if is_remote(p) else os.path.abspath(p))
+  if is_remote(p):
+    _uncached_listings()
+    return epath.Path(str(p))
+  return epath.Path(os.path.abspath(p))
 
 
 def join(base: str, *names: str) -> str:
