@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from conftest import REPO, experiment, load_config
@@ -148,10 +150,19 @@ def test_run_killed_and_resumed_in_a_bucket_equals_a_straight_run(gcs, tmp_path,
   assert sample.returncode == 0, sample.stderr[-3000:]
   assert len(json.loads(sample.stdout.splitlines()[0])['ids']) == 20
 
-  warm = str(tmp_path / 'warm')  # A local run warm-started from the bucket's params.
-  state = train.train_and_evaluate(load_config('char_lm', **{
-      **FLAGS, 'train.steps': 1, 'checkpoint.init_from': url}), warm)
+  # A local run warm-started from the bucket's params. Its one step is at the warmup's
+  # learning rate of 0, so it ends holding exactly the params it started from.
+  warm = load_config('char_lm', **{**FLAGS, 'train.steps': 1, 'checkpoint.init_from': url,
+                                   'optimizer.warmup_steps': 5})
+  state = train.train_and_evaluate(warm, str(tmp_path / 'warm'))
   assert int(state.step) == 1
+  from zoo import checkpoint, data, setup  # pylint: disable=import-outside-toplevel
+  placed = setup.build(warm, data.load(warm.data, warm.seed))
+  with placed.scope():
+    source, step, _ = checkpoint.restore_params(url, placed.abstract_state().params)
+  assert step == steps  # The newest, which this process had not listed before.
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(source)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_a_missing_bucket_is_one_line(gcs):
