@@ -57,30 +57,37 @@ def reference(tmp_path_factory):
   return _train_losses(workdir), read_metrics(workdir)[-1]
 
 
-@pytest.mark.parametrize('trial', range(1))  # A random moment each CI run.
-def test_sigkill_at_a_random_moment_then_resume(trial, reference, tmp_path):
+def test_sigkill_at_a_random_moment_then_resume(reference, tmp_path):
+  """A new random moment each run (its seed is printed and in every failure message)."""
+  seed = random.SystemRandom().randrange(2**32)
   workdir = str(tmp_path / 'run')
   with open(tmp_path / 'killed.log', 'w', encoding='utf-8') as log:
     proc = _start(workdir, log, *_args(workdir))
     # A random step, then a random instant within it: with a save every other step, kills
     # land in and between saves (the trials so far left N.orbax-checkpoint-tmp behind).
-    rng = random.Random(trial)
-    _wait_for_step(workdir, proc, rng.randint(1, STEPS // 2))
-    time.sleep(rng.uniform(0.0, 0.05))
+    rng = random.Random(seed)
+    step, delay = rng.randint(1, STEPS // 2), rng.uniform(0.0, 0.05)
+    _wait_for_step(workdir, proc, step)
+    time.sleep(delay)
     assert proc.poll() is None
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
   killed_at = max(_train_losses(workdir))
-  assert killed_at < STEPS, 'the kill came too late to test anything'
-  print(f'killed after step {killed_at}; checkpoints {sorted(os.listdir(os.path.join(workdir, "checkpoints")))}')
+  moment = (f'seed {seed}: killed {delay * 1e3:.1f} ms after step {step} was logged, after '
+            f'step {killed_at}; checkpoints '
+            f'{sorted(os.listdir(os.path.join(workdir, "checkpoints")))}')
+  print(moment)
+  assert killed_at < STEPS, f'the kill came too late to test anything ({moment})'
 
   result = run_cli(*_args(workdir))
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert 'resuming from step' in result.stderr or 'Found 0 checkpoint' in result.stderr
+  assert result.returncode == 0, f'{moment}\n{result.stderr[-3000:]}'
+  assert 'resuming from step' in result.stderr or 'Found 0 checkpoint' in result.stderr, moment
   losses, final_eval = _train_losses(workdir), read_metrics(workdir)[-1]
-  assert losses == reference[0]  # Every step once, bit-identical to the run that never died.
-  assert final_eval == reference[1]
-  assert not glob.glob(os.path.join(workdir, 'checkpoints', '*tmp*')), 'temporary dirs remain'
+  # Every step once, bit-identical to the run that never died.
+  assert losses == reference[0], moment
+  assert final_eval == reference[1], moment
+  assert not glob.glob(os.path.join(workdir, 'checkpoints', '*tmp*')), \
+      f'temporary dirs remain ({moment})'
 
 
 def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):
