@@ -95,10 +95,13 @@ def test_checkpoints_move_between_process_counts(one_process, tmp_path):
   np.testing.assert_allclose(losses, one_process, rtol=2e-5)
 
 
+HEARTBEAT = 10  # Seconds without heartbeats after which a process counts as dead.
+
+
 def _start(i, port, workdir):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   cmd = [sys.executable, '-m', 'zoo.main', '--cpu_devices=4', f'--coordinator_address=127.0.0.1:{port}',
-         '--num_processes=2', f'--process_id={i}', '--heartbeat_timeout=10', *FLAGS,
+         '--num_processes=2', f'--process_id={i}', f'--heartbeat_timeout={HEARTBEAT}', *FLAGS,
          f'--workdir={workdir}', *ENDLESS]
   return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE, text=True)
@@ -106,6 +109,9 @@ def _start(i, port, workdir):
 
 @pytest.mark.parametrize('victim', [1, 0])
 def test_survivor_exits_nonzero_in_bounded_time(victim, tmp_path):
+  """The survivor of a SIGKILLed peer aborts with JAX's termination message: within the
+  heartbeat timeout when process 1 dies (measured 10.6 s), at once when the coordinator
+  (process 0) does (measured 0.2 s)."""
   sys.path.insert(0, os.path.join(REPO, 'launch'))
   import local  # pylint: disable=import-outside-toplevel
   port = local.free_port()
@@ -125,9 +131,13 @@ def test_survivor_exits_nonzero_in_bounded_time(victim, tmp_path):
     for p in procs:
       if p.poll() is None:
         p.kill()
-  assert rc != 0, stderr[-2000:]
-  assert elapsed < 60, f'survivor took {elapsed:.0f} s'  # Bound: heartbeat 10 s + teardown.
-  print(f'process {1 - victim} exited {rc} after {elapsed:.1f} s: {stderr.strip().splitlines()[-1][:300]}')
+  print(f'process {1 - victim} exited {rc} after {elapsed:.1f} s')
+  assert rc == -signal.SIGABRT, stderr[-2000:]
+  assert ('Terminating process because the JAX distributed service detected fatal errors. This '
+          'most likely indicates that another task died') in stderr, stderr[-2000:]
+  # The heartbeat timeout, plus a margin for a loaded machine; the coordinator's death is
+  # noticed at once (its peers' connection closes).
+  assert elapsed < (HEARTBEAT + 5 if victim else 5), f'survivor took {elapsed:.1f} s'
 
 
 @pytest.fixture
