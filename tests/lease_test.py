@@ -90,6 +90,33 @@ def test_renewal_keeps_the_lease_and_notices_a_takeover(tmp_path):
   assert json.loads((tmp_path / lease.LEASE).read_text())['token'] == 'theirs'  # Not ours to delete.
 
 
+def test_a_run_whose_lease_is_taken_over_stops_before_its_next_save(tmp_path):
+  """A real run renewing every 0.5 s; another job's lease replaces its own mid-run. The run
+  notices, refuses its next save (that step is logged, not saved), exits 1 with one line,
+  and leaves the new owner's lease alone."""
+  workdir = tmp_path / 'run'
+  with open(tmp_path / 'run.log', 'w+', encoding='utf-8') as log:
+    run = _start(str(workdir), log, *_args(workdir, 100_000),
+                 '--config.checkpoint.lease_seconds=2')
+    try:
+      _wait_for_step(str(workdir), run, 3)
+      _write_lease(workdir)  # Live: renewed now, by host 'elsewhere'.
+      rc = run.wait(timeout=30)  # It notices within 0.5 s.
+    finally:
+      if run.poll() is None:
+        run.kill()
+    log.seek(0)
+    stderr = log.read()
+  assert rc == 1, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1] == (
+      f'zoo: error: --workdir: {workdir}: this run lost ownership (host elsewhere process 4242 '
+      'took it over); stopped without saving, so as not to overwrite the new owner')
+  assert json.loads((workdir / lease.LEASE).read_text())['token'] == 'theirs'
+  last = max(r['step'] for r in read_metrics(workdir) if 'train/loss' in r)
+  saved = max(int(s) for s in os.listdir(workdir / 'checkpoints') if s.isdigit())
+  assert last % 2 == 0 and saved == last - 2, (last, saved)  # Logged the save step, no more.
+
+
 @pytest.mark.parametrize('relative', [False, True])
 def test_a_workdir_made_for_the_lease_is_removed_if_nothing_else_was_written(
     relative, tmp_path, monkeypatch):
