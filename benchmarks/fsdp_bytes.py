@@ -22,6 +22,7 @@ def main():
   os.environ['JAX_PLATFORMS'] = 'cpu'
   import jax  # pylint: disable=import-outside-toplevel
   from zoo import checkpoint, data, setup, sharding  # pylint: disable=import-outside-toplevel
+  from zoo import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
 
   config = load_experiment(os.path.join(REPO, 'experiments', f'{args.experiment}.py'))
@@ -29,7 +30,7 @@ def main():
   n = args.devices
   rows = []
   for shape in [(n, 1), (n // 2, 2), (1, n)]:
-    mesh = sharding.make_mesh(shape, config.mesh.axes)
+    mesh = mesh_lib.make_mesh(shape, config.mesh.axes)
     for preset, rules in (('standard', sharding.standard_rules()), ('fsdp', sharding.fsdp_rules())):
       config.logical_axis_rules = rules
       s = setup.build(config, dataset, mesh)

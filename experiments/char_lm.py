@@ -15,6 +15,8 @@ accelerator: this corpus is far too small to train them well. Plan one before ru
 `--cpu_devices=1 --dry_run --device_memory_gib=60` prints bytes and FLOPs for one H100
 (JAX takes 75% of its 80 GB by default; XLA_PYTHON_CLIENT_MEM_FRACTION changes that).
 """
+from ml_collections.config_dict import placeholder
+
 from zoo.config import base_config
 from zoo.sharding import fsdp_rules
 
@@ -36,6 +38,14 @@ def get_config(arg=None):
   c.model.remat = 'none'         # 'full', 'dots', 'dots_no_batch': recompute in the backward pass.
   c.model.dtype = 'float32'      # 'bfloat16': bf16 compute, f32 params, f32 softmax and loss.
   c.model.dropout_rate = 0.0
+  # The switches published architectures differ by (zoo/models/transformer.py), here so that
+  # a command line can set them: a Llama-shaped run is rotary, rms, swiglu, num_kv_heads.
+  c.model.attention = 'xla'      # 'splash': the Pallas TPU kernel (long sequences); 'cudnn'.
+  c.model.norm = 'layer'         # Or 'rms'.
+  c.model.norm_epsilon = 1e-6
+  c.model.mlp_activation = 'gelu'  # Or 'gelu_exact', 'swiglu'.
+  c.model.num_kv_heads = placeholder(int)  # None: num_heads; fewer: grouped-query attention.
+  c.model.vocab_size = placeholder(int)  # None: the data's; larger pads the vocabulary.
   c.data.name = 'text'
   c.data.path = ''               # Empty: Python's bundled docs. Else a UTF-8 text file.
   c.data.seq_len = 128

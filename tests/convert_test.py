@@ -14,6 +14,7 @@ import pytest
 
 from conftest import REPO
 from zoo import checkpoint, convert, sample, setup as setup_lib, sharding
+from zoo import mesh as mesh_lib
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.errors import ConfigError
 
@@ -93,7 +94,7 @@ def test_imported_logits_equal_hf(name, mesh_shape, hf_dirs, imported, devices):
   """The checkpoint import wrote, restored onto another mesh, computes HF's logits."""
   workdir, placed = imported[name]
   count = mesh_shape[0] * mesh_shape[1]
-  mesh = sharding.make_mesh(mesh_shape, ('batch', 'model'), devices[:count])
+  mesh = mesh_lib.make_mesh(mesh_shape, ('batch', 'model'), devices[:count])
   logical = placed.logical_state.params
   rules = sharding.fit_rules(logical, mesh, placed.config.logical_axis_rules)
   setup = setup_lib.build(placed.config, placed.dataset, mesh=mesh, rules=rules)

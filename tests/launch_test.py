@@ -1,7 +1,10 @@
 """The cloud launchers cannot run here: their dry-run output is checked instead."""
+import os
 import shlex
 import subprocess
 import sys
+
+import pytest
 
 from conftest import REPO
 
@@ -16,7 +19,8 @@ def _run(script, *args):
 
 
 def test_tpu_pod_dry_run_deploys_and_runs_on_every_worker():
-  lines = _run('tpu_pod.py', '--tpu=pod', '--zone=us-east5-a', '--project=p').splitlines()
+  lines = _run('tpu_pod.py', '--tpu=pod', '--accelerator_type=v5p-16', '--zone=us-east5-a',
+               '--project=p').splitlines()
   assert lines[0] == shlex.join(['git', '-C', REPO, 'archive', '--format=tar.gz',
                                  '--output=/tmp/zoo-pod.tar.gz', 'HEAD'])
   assert lines[1] == ("gcloud compute tpus tpu-vm scp /tmp/zoo-pod.tar.gz 'pod:~/zoo.tar.gz' "
@@ -29,6 +33,22 @@ def test_tpu_pod_dry_run_deploys_and_runs_on_every_worker():
   # The user's arguments reach zoo.main intact, quoting included.
   assert shlex.split(remote.split('python3 -m zoo.main ')[1]) == ZOO_ARGS
   assert len(lines) == 3
+
+
+def test_tpu_pod_refuses_a_run_the_slice_cannot_fit_before_touching_a_vm():
+  """The plan runs here first, for the slice (the test above passed one that fits); a config
+  the TPU compiler refuses stops the launcher before any command, with its figures."""
+  pytest.importorskip('libtpu')
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  refused = subprocess.run([sys.executable, 'launch/tpu_pod.py', '--tpu=pod',
+                            '--accelerator_type=v5litepod-16', '--zone=z', '--dry_run', '--',
+                            '--config=experiments/char_lm.py:1b', '--workdir=gs://b/r',
+                            '--config.mesh.shape=(16,1)'], cwd=REPO, env=env, capture_output=True,
+                           text=True, check=False)
+  assert refused.returncode == 1 and not refused.stdout  # No command was printed or run.
+  assert 'GiB per device that v5litepod-16 allows (the TPU compiler' in refused.stderr
+  assert refused.stderr.strip().splitlines()[-1] == (
+      '[launch] the plan for v5litepod-16 failed (above); no VM was touched')
 
 
 def test_slurm_dry_run_one_process_per_gpu():

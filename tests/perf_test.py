@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import load_config
-from zoo import data, perf, setup, sharding, steps
+from zoo import data, perf, setup, steps
+from zoo import mesh as mesh_lib
 
 
 def _one_device_cost(compiled=True, **overrides):
@@ -12,7 +13,7 @@ def _one_device_cost(compiled=True, **overrides):
   `compiled`, only the traced counts."""
   config = load_config('char_lm', **{'mesh.shape': (1, 1), **overrides})
   dataset = data.load(config.data, config.seed)
-  mesh = sharding.make_mesh((1, 1), config.mesh.axes, devices=jax.devices()[:1])
+  mesh = mesh_lib.make_mesh((1, 1), config.mesh.axes, devices=jax.devices()[:1])
   s = setup.build(config, dataset, mesh=mesh)
   with s.scope():
     abstract = s.abstract_state()

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config, run_cli, trainer, experiment
-from zoo import plan
+from zoo import hlo, plan
 
 
 def _device0_bytes(tree):
@@ -71,7 +71,7 @@ HLO = '''
 def test_collectives_parser_reads_every_replica_group_form():
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ('batch', 'model'))
   rows = {(r['kind'], r['axes']): (r['count'], r['bytes'], r['group_size'])
-          for r in plan.collectives(HLO, mesh)}
+          for r in hlo.collectives(HLO, mesh)}
   assert rows == {
       ('all-reduce', 'model'): (1, 4 * 32 * 4, 2),
       ('all-reduce', 'batch'): (1, 64 * 4 + 16 * 2, 4),

@@ -102,7 +102,7 @@ def test_train_step_keeps_activation_constraints(model_name, expected, devices):
   assert len(constraints) == expected, f'{len(constraints)} sharding constraints, expected {expected}'
   with jax.set_mesh(s.mesh):  # Without the rules, every logical constraint is dropped.
     # A fresh function: jit would otherwise reuse the trace made under the rules.
-    bare = jax.jit(lambda st, b: steps.train_step(st, b, jax.random.key(1), s.task)).lower(
+    bare = jax.jit(lambda st, b: steps.train_step(st, b, 1, s.task)).lower(
         state, global_batch).as_text()
   assert 'sharding_constraint' not in bare
 

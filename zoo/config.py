@@ -13,6 +13,7 @@ import jax
 import ml_collections
 
 from zoo import data, models, optim, sharding, storage, tasks
+from zoo import mesh as mesh_lib
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError, fail
 
@@ -99,7 +100,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if config.data.get('name') not in data.DATASETS:
     fail('data.name', f'unknown dataset {config.data.get("name")!r}; '
          f'known: {", ".join(data.DATASETS)}')
-  sharding.check_mesh_shape(config.mesh.shape, config.mesh.axes, num_devices,
+  mesh_lib.check_mesh_shape(config.mesh.shape, config.mesh.axes, num_devices,
                             dcn_shape=config.mesh.dcn_shape)
   _validate_rules(config.logical_axis_rules, config.mesh.axes)
   family, source = models.MODELS[config.model.name], data.DATASETS[config.data.name]
@@ -157,7 +158,7 @@ def _validate_run(config):
 
 def _validate_batch_sizes(config, num_devices):
   """Global batches divide over the batch shards, and so do microbatches."""
-  shape = sharding.resolve_mesh_shape(config.mesh.shape, num_devices)
+  shape = mesh_lib.resolve_mesh_shape(config.mesh.shape, num_devices)
   axes = sharding.batch_mesh_axes(config.logical_axis_rules)
   batch_shards = math.prod(shape[config.mesh.axes.index(a)] for a in axes)
   for field in ('train.batch_size', 'eval.batch_size'):
@@ -186,19 +187,21 @@ def _validate_rules(rules, mesh_axes):
              f'but the mesh axes are {tuple(mesh_axes)}')
 
 
-def validate_with_data(config: ml_collections.ConfigDict, dataset: Dataset) -> None:
+def validate_with_data(config: ml_collections.ConfigDict, dataset: Dataset,
+                       plan: bool = False) -> None:
   """The loaded data fits the model: its task, the family's check of one example's inputs,
-  and enough examples for a batch."""
+  and (unless this is a plan, which compiles for shapes alone: a pod's batch need not fit
+  the corpus at hand) enough examples for a batch."""
   family = models.MODELS[config.model.name]
   if dataset.task != family.task:
     fail('data.path', f'{config.data.path} holds {dataset.task} data but model '
          f'{config.model.name!r} trains on {family.task} data; pick a matching model or file')
   for key, needed in dataset.model_fields.items():
-    if key in config.model and config.model[key] < needed:
+    if config.model.get(key) is not None and config.model[key] < needed:
       source = config.data.get('path') or config.data.name
       fail(f'model.{key}', f'{config.model[key]} is smaller than the {needed} that the data '
            f'({source}) needs; leave model.{key} out to take the data\'s, or give data that fits')
-  if config.train.batch_size > dataset.num_train:
+  if not plan and config.train.batch_size > dataset.num_train:
     fail('train.batch_size', f'{config.train.batch_size} exceeds the {dataset.num_train} '
          f'training examples of {config.data.name!r}')
   example = dataset.train_batch(0, 1, slice(0, 1))

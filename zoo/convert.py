@@ -34,6 +34,7 @@ import ml_collections
 import numpy as np
 
 from zoo import checkpoint, distributed, hf, models, sharding
+from zoo import mesh as mesh_lib
 from zoo import config as cfg
 from zoo import setup as setup_lib
 from zoo import workdir as workdir_lib
@@ -168,13 +169,13 @@ def placed_setup(config: ml_collections.ConfigDict, dataset: Dataset,
   its parameters cannot split over there replicated."""
   axes = tuple(config.mesh.axes)
   devices = jax.devices()
-  one = sharding.make_mesh([1] * len(axes), axes, devices[:1])
+  one = mesh_lib.make_mesh([1] * len(axes), axes, devices[:1])
   logical = setup_lib.build(config, dataset, mesh=one).logical_state.params
   if mesh_shape:
-    shape = sharding.parse_mesh_shape(mesh_shape, axes, len(devices))
+    shape = mesh_lib.parse_mesh_shape(mesh_shape, axes, len(devices))
   else:
     shape = [len(devices) if a == 'model' else 1 for a in axes]
-  mesh = sharding.make_mesh(shape, axes, devices)
+  mesh = mesh_lib.make_mesh(shape, axes, devices)
   rules = sharding.fit_rules(logical, mesh, config.logical_axis_rules)
   replicated = [n for (n, a), (_, b) in zip(sharding.rules_tuple(config.logical_axis_rules), rules)
                 if a != b]
@@ -271,7 +272,7 @@ def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30) ->
   target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), shapes)
   restored, step, _ = checkpoint.restore_params(directory, target, field='--workdir')
   params = _flat(restored)
-  fields = config.model.to_dict()
+  fields = {k: v for k, v in config.model.to_dict().items() if v is not None}  # None: data's.
   if ('vocab_size' if arch.task == 'lm' else 'num_classes') not in fields:  # Its data's size.
     fields = {**workdir_lib.run_dataset(workdir, config).model_fields, **fields}
   fields = hf.with_defaults(fields)

@@ -12,7 +12,7 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from zoo import compilation, distributed, metrics, plan, train
+from zoo import compilation, distributed, metrics, plan, topology, train
 from zoo.errors import ZooError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -23,6 +23,15 @@ _DRY_RUN = flags.DEFINE_bool(
     'and FLOPs per device, collectives. Runs nothing, writes no workdir (not needed).')
 _DEVICE_MEMORY = flags.DEFINE_float(
     'device_memory_gib', 0.0, 'With --dry_run: memory per device; exit 1 if the step needs more.')
+_TOPOLOGY = flags.DEFINE_string(
+    'topology', None, 'With --dry_run: plan for a TPU pod slice, compiled here by the TPU '
+    "compiler (needs .[tpu]): a Cloud TPU accelerator type (v5p-64, v5litepod-256, v6e-8, "
+    "v4-32, tpu7x-8) or libtpu's GEN:AxBxC.")
+_NUM_SLICES = flags.DEFINE_integer('num_slices', 1, 'With --topology: slices of it (multi-slice; '
+                                   'set config.mesh.dcn_shape to match).')
+_MAX_BATCH = flags.DEFINE_bool(
+    'max_batch', False, 'With --dry_run: also search the largest train batch per device that '
+    'the compiler fits (TPU targets; a binary search over compiles).')
 _CPU_DEVICES = flags.DEFINE_integer(
     'cpu_devices', None, 'Run on this many emulated CPU devices (try a mesh without '
     'accelerators). Default on a host without accelerators: one per core (a power of two).')
@@ -52,6 +61,13 @@ def main(argv: list[str]) -> None:
   try:
     if _CACHE_DIR.value:
       compilation.enable_cache(_CACHE_DIR.value)
+    target = None
+    if _TOPOLOGY.value or _MAX_BATCH.value:
+      if not _DRY_RUN.value:
+        raise ZooError('--topology and --max_batch go with --dry_run, which plans the run')
+      if _TOPOLOGY.value:  # This host compiles for the target and runs nothing itself.
+        target = topology.parse(_TOPOLOGY.value, _NUM_SLICES.value)
+        jax.config.update('jax_platforms', 'cpu')
     per_core = distributed.initialize(
         _COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _CPU_DEVICES.value,
         _INIT_TIMEOUT.value, _HEARTBEAT_TIMEOUT.value, per_core=True)
@@ -62,7 +78,7 @@ def main(argv: list[str]) -> None:
                  jax.process_index(), jax.process_count(), jax.local_device_count(),
                  jax.device_count(), jax.devices())
     if _DRY_RUN.value:
-      _dry_run(_CONFIG.value, _DEVICE_MEMORY.value)
+      _dry_run(_CONFIG.value, _DEVICE_MEMORY.value, target, _MAX_BATCH.value)
       return
     if _DEVICE_MEMORY.value:
       raise ZooError('--device_memory_gib goes with --dry_run, which checks the plan against it')
@@ -78,16 +94,18 @@ def main(argv: list[str]) -> None:
     _exit('zoo: error: unexpected error, traceback above')
 
 
-def _dry_run(config, device_memory_gib):
+def _dry_run(config, device_memory_gib, target, max_batch):
   if device_memory_gib < 0:
     raise ZooError(f'--device_memory_gib: must be >= 0 (0: no check), got {device_memory_gib}')
-  p = plan.make_plan(config, device_memory_gib)
+  p = plan.make_plan(config, device_memory_gib, target)
   if jax.process_index() == 0:
     print(plan.format_plan(p), flush=True)
+  if max_batch:
+    found = plan.max_batch(config, device_memory_gib, target)
+    if jax.process_index() == 0:
+      print(plan.format_max_batch(found), flush=True)
   if p['fits'] is False:
-    _exit(f'zoo: the train step needs {p["compiled_memory"]["peak"] / 2**30:.2f} GiB per device, '
-          f'more than --device_memory_gib={device_memory_gib:g}; shard more (mesh, rules: '
-          'fsdp_rules), or lower train.batch_size, or raise train.microbatches or model.remat')
+    _exit(plan.refusal_line(p, device_memory_gib))
 
 
 def _exit(message):

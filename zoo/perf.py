@@ -20,7 +20,6 @@ Conventions (those of PaLM, arXiv:2204.02311, app. B, and MaxText):
   cores). `config.perf.peak_flops_per_device` > 0 overrides both.
 - MFU = model FLOPs per step / (step time x devices x peak per device).
 """
-import functools
 import math
 import time
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -139,8 +138,9 @@ def forward_flops(fn: Callable, *args) -> int:
 
 
 def xla_flops(compiled: Any) -> float:
-  """FLOPs per device of a compiled program by XLA's cost analysis (loop bodies once)."""
-  analysis = compiled.cost_analysis()
+  """FLOPs per device of a compiled program by XLA's cost analysis (loop bodies once); nan
+  without one (a program the compiler refused)."""
+  analysis = compiled.cost_analysis() if compiled is not None else None
   if isinstance(analysis, (list, tuple)):  # Older jax: one dict per program.
     analysis = analysis[0] if analysis else {}
   return float((analysis or {}).get('flops', float('nan')))
@@ -166,9 +166,14 @@ def step_cost(setup: 'Setup', state: Any, compiled: Any) -> dict:
   """FLOPs of one train step by this module's conventions, traced for `state` (arrays or
   their shapes), XLA's count of the `compiled` step, and the tokens a step trains on
   (sequence tasks)."""
+  if getattr(setup.model, 'attention', None) == 'splash':  # A Pallas kernel: no jaxpr FLOPs.
+    state = state.replace(apply_fn=setup.model.clone(attention='xla').apply)  # The same math.
+
+  def loss(params, state, batch):
+    return steps.loss(params, state, batch, steps.dropout_key(setup.config.seed, state.step),
+                      setup.task)
   with setup.scope():
-    forward = forward_flops(functools.partial(steps.loss, task=setup.task), state.params, state,
-                            setup.batch, setup.dropout_rng)
+    forward = forward_flops(loss, state.params, state, setup.batch)
   cost = {'model_flops': 3 * forward, 'xla_flops_per_device': xla_flops(compiled),
           'devices': setup.mesh.size}
   tokens = setup.task.tokens(setup.batch)

@@ -1,214 +1,304 @@
 """A run's plan without running it: `python -m zoo.main --config=... --dry_run`.
 
 Builds the mesh and the abstract train state (no array is allocated), compiles the train
-step for it and reports what each device would hold and do: the parameter sharding table;
-bytes per device of parameters, optimizer state, model state and the batch; XLA's memory
-analysis of the compiled step (arguments, outputs, donated buffers, temporaries) and
-whether its peak fits `--device_memory_gib`; FLOPs per step; the collectives in the
-compiled step. Emulated CPU devices (`--cpu_devices=N`) plan a mesh larger than the
-machine: byte counts of state and batch are exact for any backend; temporaries and
-collectives are what the CPU compiler chose, and another backend's fusion and
-scheduling differ.
+and eval steps for it and reports what each device would hold and do: the parameter
+sharding table; bytes per device of parameters, optimizer state, model state and the
+batch; the compiled steps' memory and whether they fit; FLOPs per step; the collectives
+in the compiled train step; and which rows of the global batch each process feeds.
+
+The devices are those present (emulated CPU devices plan a mesh larger than the machine:
+the state's bytes are exact for any backend, while temporaries and collectives are the
+CPU compiler's), or with `--topology` a TPU pod's compile-only devices (zoo.topology):
+then the TPU compiler itself compiles the steps, its peak is the step's memory and its
+out-of-memory refusal the verdict, against the chips' usable HBM.
 """
-import itertools
+import dataclasses
 import math
-import re
 import time
+from typing import Any, Optional
 
 import jax
 import ml_collections
-import numpy as np
 
 from zoo import config as cfg
-from zoo import perf, sharding, steps
+from zoo import hlo, perf, sharding, steps, topology
 from zoo import setup as setup_lib
+from zoo.data import feed
 from zoo.errors import ConfigError
 
-COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
-_OP = re.compile(r'=\s+([^%"=]*?)\s+(' + '|'.join(COLLECTIVES) + r')(-start)?\(')
-_SHAPE = re.compile(r'\b([a-z][a-z0-9]*)\[([0-9,]*)\]')
+
+@dataclasses.dataclass
+class Compiled:
+  """One step compiled for the plan's devices, or the compiler's refusal."""
+  program: Any = None            # The compiled program, if it compiled.
+  memory: Optional[dict] = None  # Per device: arguments, outputs, aliased, ..., peak.
+  seconds: float = 0.0
+  refusal: str = ''              # The compiler's first line, if it refused.
+  needed: Optional[int] = None   # An HBM refusal's figures (bytes per device).
 
 
-def _itemsize(dtype):
-  """Bytes per element of an HLO type: the first number in its name is its bits (f32,
-  bf16, s4, f8e4m3fn, c64); pred is a byte."""
-  bits = re.search(r'\d+', dtype)
-  return int(bits.group()) / 8 if bits else 1
+def _memory(program, platform: str) -> Optional[dict]:
+  """Per device: the analysis's sizes, and the peak: on TPU the compiler's own (its
+  temporaries are not all live at once, and a sum refuses batches it accepts), elsewhere
+  the sum of what is live at once at worst."""
+  m = program.memory_analysis()
+  if m is None:
+    return None
+  memory = {'arguments': m.argument_size_in_bytes, 'outputs': m.output_size_in_bytes,
+            'aliased': m.alias_size_in_bytes, 'temporaries': m.temp_size_in_bytes,
+            'code': m.generated_code_size_in_bytes}
+  if platform == 'tpu':
+    memory['peak'] = m.peak_memory_in_bytes
+  else:  # Donated state: outputs that alias arguments take no extra memory.
+    memory['peak'] = (memory['arguments'] + memory['outputs'] - memory['aliased']
+                      + memory['temporaries'] + memory['code'])
+  return memory
 
 
-def _bytes(shape_text):
-  """Total bytes of the arrays in an HLO shape: `f32[4,32]{1,0}` or a (nested) tuple."""
-  return int(sum(_itemsize(dtype) * math.prod(int(d) for d in dims.split(',') if d)
-                 for dtype, dims in _SHAPE.findall(shape_text)))
+def compile_step(platform: str, jitted, *args) -> Compiled:
+  """Lowers and compiles for `platform`'s devices; a RESOURCE_EXHAUSTED refusal is
+  returned, not raised."""
+  t0 = time.perf_counter()
+  lowered = jitted.lower(*args)
+  try:
+    program = lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError and kin.
+    if 'RESOURCE_EXHAUSTED' not in str(e):
+      raise
+    figures = topology.oom_figures(str(e))
+    return Compiled(seconds=time.perf_counter() - t0, refusal=str(e).strip().splitlines()[0],
+                    needed=figures[0] if figures else None)
+  return Compiled(program, _memory(program, platform), time.perf_counter() - t0)
 
 
-def _tuple_elements(shape_text):
-  """The top-level elements of a tuple shape `(a, (b, c), d)`; [shape_text] if no tuple."""
-  text = shape_text.strip()
-  if not text.startswith('('):
-    return [text]
-  elements, depth, start = [], 0, 1
-  for i, ch in enumerate(text):  # Commas inside [dims] and {layout} do not split.
-    depth += {'(': 1, '[': 1, '{': 1, ')': -1, ']': -1, '}': -1}.get(ch, 0)
-    if (ch == ',' and depth == 1) or (ch == ')' and depth == 0):
-      elements.append(text[start:i])
-      start = i + 1
-  return elements
-
-
-def _iota(dims, perm=None):
-  """XLA's iota device list: arange reshaped to `dims`, transposed by `perm`."""
-  ids = np.arange(math.prod(dims)).reshape(dims)
-  return ids.transpose(perm) if perm else ids
-
-
-def _ints(text):
-  return [int(x) for x in text.split(',') if x]
-
-
-def _replica_groups(line, num_devices):
-  """The replica groups of a collective's HLO line, as sets of logical device ids (positions
-  in the mesh's flattened device order); None for point-to-point ops."""
-  if (m := re.search(r'replica_groups=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?', line)):
-    dims = _ints(m.group(1))
-    ids = _iota(_ints(m.group(2)), m.group(3) and _ints(m.group(3)))
-    return [set(g) for g in ids.reshape(-1, dims[-1]).tolist()]
-  if (m := re.search(r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([0-9,]+)\]"
-                     r"(?:T\(([0-9,]+)\))?\))?\s*\{([^}]*)\}", line)):
-    names_sizes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-    names, sizes = [n for n, _ in names_sizes], [int(s) for _, s in names_sizes]
-    ids = np.arange(math.prod(sizes)) if not m.group(2) else \
-        _iota(_ints(m.group(2)), m.group(3) and _ints(m.group(3))).reshape(-1)
-    grouped = [names.index(a) for a in re.findall(r"'([^']+)'", m.group(4))]
-    ids = np.moveaxis(ids.reshape(sizes), grouped, list(range(-len(grouped), 0)))
-    size = math.prod(sizes[i] for i in grouped)
-    return [set(g) for g in ids.reshape(-1, size).tolist()]
-  if (m := re.search(r'replica_groups=\{(\{[0-9,{}]*\})\}', line)):
-    return [set(_ints(g)) for g in re.findall(r'\{([0-9,]*)\}', m.group(1))]
-  if 'replica_groups={}' in line:
-    return [set(range(num_devices))]
-  return None
-
-
-def _mesh_axes_of(group, mesh):
-  """The mesh axes whose devices form `group` (the group holding device 0): e.g. 'model',
-  or 'part of batch' for a subgroup of an axis's devices."""
-  positions = np.arange(mesh.size).reshape(mesh.devices.shape)
-  names = list(mesh.axis_names)
-  candidates = [axes for r in range(1, len(names) + 1) for axes in itertools.combinations(names, r)]
-  def devices_along(axes):
-    index = tuple(slice(None) if a in axes else 0 for a in names)
-    return set(positions[index].reshape(-1).tolist())
-  for axes in candidates:
-    if devices_along(axes) == group:
-      return '+'.join(axes)
-  for axes in candidates:
-    if group < devices_along(axes):
-      return 'part of ' + '+'.join(axes)
-  return '?'
-
-
-def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[dict]:
-  """Collectives of a compiled module: rows {kind, group_size, axes, count, bytes}; bytes are
-  the results' per device. An op inside a loop body (nn.scan, microbatches) is listed once."""
-  rows = {}
-  for line in hlo_text.splitlines():
-    line = re.sub(r'/\*.*?\*/', '', line)  # Long tuples carry /*index=5*/ comments.
-    m = _OP.search(line)
-    if not m:
-      continue
-    shape, kind, start = m.groups()
-    # An async start's shape is (operands, results[, context]), except all-reduce's: results.
-    parts = _tuple_elements(shape)
-    nbytes = _bytes(parts[1] if start and kind != 'all-reduce' and len(parts) > 1 else shape)
-    groups = _replica_groups(line, mesh.size)
-    first = next((g for g in groups if 0 in g), groups[0]) if groups else None
-    size = len(first) if first else None
-    axes = _mesh_axes_of(first, mesh) if first else 'pairs'
-    row = rows.setdefault((kind, size, axes), {
-        'kind': kind, 'group_size': size, 'axes': axes, 'count': 0, 'bytes': 0})
-    row['count'] += 1
-    row['bytes'] += nbytes
-  return sorted(rows.values(), key=lambda r: (r['kind'], r['group_size'] or 0))
-
-
-def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0) -> dict:
-  """The plan of `config` on the present devices, as a dict (see format_plan)."""
-  cfg.validate(config, jax.device_count())
-  setup = setup_lib.checked(config)
+def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
+              target: Optional[topology.Target] = None) -> dict:
+  """The plan of `config` on the present devices, or on `target`'s (see format_plan)."""
+  devices = topology.devices(target) if target else jax.devices()
+  cfg.validate(config, len(devices))
+  setup = setup_lib.checked(config, devices, plan=True)
   with setup.scope():
     state = setup.abstract_state()
-    t0 = time.perf_counter()
-    compiled = steps.jit_train_step(setup).lower(state, setup.batch).compile()
-    compile_s = time.perf_counter() - t0
+    platform = devices[0].platform
+    train = compile_step(platform, steps.jit_train_step(setup), state, setup.batch)
+    evaluate = compile_step(platform, steps.jit_eval_step(setup), state, setup.eval_batch())
   held = {'params': sharding.per_device_bytes(state.params),
           'optimizer': sharding.per_device_bytes(state.opt_state),
           'model_state': sharding.per_device_bytes(state.model_state),
           'batch': sharding.per_device_bytes(setup.batch)}
   held['other'] = sharding.per_device_bytes(state) - held['params'] - held['optimizer'] - \
       held['model_state']  # The step counter.
-  m = compiled.memory_analysis()
-  memory = None
-  if m is not None:
-    memory = {'arguments': m.argument_size_in_bytes, 'outputs': m.output_size_in_bytes,
-              'aliased': m.alias_size_in_bytes, 'temporaries': m.temp_size_in_bytes,
-              'code': m.generated_code_size_in_bytes}
-    # Donated state: outputs that alias arguments take no extra memory.
-    memory['peak'] = (memory['arguments'] + memory['outputs'] - memory['aliased']
-                      + memory['temporaries'] + memory['code'])
   budget = device_memory_gib * 2**30 if device_memory_gib else None
-  if budget and memory is None:
+  if budget and train.memory is None and not train.refusal:
     raise ConfigError('--device_memory_gib: this backend gives no memory analysis of the '
                       'compiled step, so the budget cannot be checked; drop the flag')
+  usable, usable_source = topology.usable_memory(target, devices[0]) if target else (None, '')
+  limit = min(x for x in (budget, usable) if x) if (budget or usable) else None
+  refused = train.refusal or evaluate.refusal
+  fits = False if refused else None if limit is None else all(
+      c.memory['peak'] <= limit for c in (train, evaluate) if c.memory)
+  rows = feed.rows_by_process(setup.batch_sharding, config.train.batch_size)
   return {
+      'target': target.name if target else None,
       'mesh': dict(setup.mesh.shape), 'devices': setup.mesh.size,
-      'platform': setup.mesh.devices.flat[0].platform,
-      'params': setup.param_table(), 'bytes_per_device': held, 'compiled_memory': memory,
-      'device_memory_bytes': budget,
-      'fits': None if budget is None or memory is None else memory['peak'] <= budget,
-      'step_cost': perf.step_cost(setup, state, compiled),
-      'compile_s': compile_s,
-      'collectives': collectives(compiled.as_text(), setup.mesh),
+      'platform': platform, 'device_kind': devices[0].device_kind,
+      'hosts': {'processes': len(rows), 'devices_per_process': setup.mesh.size // len(rows),
+                'rows': {p: [r.start, r.stop] for p, r in rows.items()}},
+      'params': setup.param_table(), 'bytes_per_device': held,
+      'compiled_memory': train.memory, 'eval_memory': evaluate.memory,
+      'device_memory_bytes': budget, 'usable_bytes': usable, 'usable_source': usable_source,
+      'fits': fits,
+      'refusal': {'step': 'train' if train.refusal else 'eval',
+                  'message': refused, 'needed': (train if train.refusal else evaluate).needed}
+                 if refused else None,
+      'step_cost': perf.step_cost(setup, state, train.program),
+      'compile_s': train.seconds, 'eval_compile_s': evaluate.seconds,
+      'collectives': hlo.collectives(train.program.as_text(), setup.mesh) if train.program else [],
   }
 
 
 def _mib(n):
-  return f'{n / 2**20:,.2f} MiB'
+  """Bytes as MiB, or GiB from 1 GiB on."""
+  return f'{n / 2**30:,.2f} GiB' if n >= 2**30 else f'{n / 2**20:,.2f} MiB'
+
+
+def _hosts(p: dict) -> list[str]:
+  hosts = p['hosts']
+  spans = [f'{i}: {a}-{b - 1}' for i, (a, b) in hosts['rows'].items()]
+  shown = ', '.join(spans[:8]) + (f', ... {spans[-1]}' if len(spans) > 8 else '')
+  return [f'hosts: {hosts["processes"]} processes x {hosts["devices_per_process"]} devices; '
+          f'rows of the global batch each feeds: {shown}']
+
+
+def _memory_lines(p: dict) -> list[str]:
+  m, lines = p['compiled_memory'], []
+  if m is None:
+    return [] if p['refusal'] else ['  (this backend gives no memory analysis of the compiled '
+                                    'step)']
+  lines.append('compiled train step, per device (XLA memory analysis):')
+  for key, label in (('arguments', 'arguments (state + batch)'),
+                     ('outputs', 'outputs (new state + metrics)'),
+                     ('aliased', 'outputs aliasing donated args'),
+                     ('temporaries', 'temporaries'), ('code', 'generated code')):
+    lines.append(f'  {label:32s}{_mib(m[key]):>14s}')
+  if p['platform'] == 'tpu':
+    lines.append(f'  peak, by the compiler: {_mib(m["peak"])} (temporaries can exceed it: '
+                 'they are not all live at once)')
+  else:
+    lines.append(f'  peak = args + outputs - aliased + temporaries + code: {_mib(m["peak"])}')
+  lines.append('  (not counted: prefetched batches, the runtime\'s own reserve)')
+  if p['eval_memory']:
+    lines.append(f'compiled eval step, per device: peak {_mib(p["eval_memory"]["peak"])}')
+  return lines
+
+
+def verdict(p: dict) -> str:
+  """'fits in ...', 'DOES NOT FIT in ...', or '' where nothing was checked."""
+  limit = min(x for x in (p['device_memory_bytes'], p['usable_bytes']) if x) \
+      if (p['device_memory_bytes'] or p['usable_bytes']) else None
+  where = (f'{_mib(limit)} per device' + (f' ({p["usable_source"]})'
+                                          if limit == p['usable_bytes'] else '')) if limit else ''
+  if p['refusal']:
+    needed = p['refusal']['needed']
+    return (f'DOES NOT FIT: the compiler refused the {p["refusal"]["step"]} step'
+            + (f', which needs {_mib(needed)} per device' if needed else '')
+            + (f' of {where}' if where and needed else '') + f': {p["refusal"]["message"]}')
+  if p['fits'] is None:
+    return ''
+  return f'{"fits" if p["fits"] else "DOES NOT FIT"} in {where}'
 
 
 def format_plan(p: dict) -> str:
   """The plan as text."""
-  lines = [f'mesh {p["mesh"]} on {p["devices"]} {p["platform"]} devices; the train step '
-           f'compiled in {p["compile_s"]:.1f} s', '', sharding.format_param_table(p['params']), '',
-           'per device:']
+  on = f' ({p["device_kind"]}, {p["target"]})' if p['target'] else ''
+  compiled = (f'the train step compiled in {p["compile_s"]:.1f} s, the eval step in '
+              f'{p["eval_compile_s"]:.1f} s')
+  lines = [f'mesh {p["mesh"]} on {p["devices"]} {p["platform"]} devices{on}; {compiled}', '',
+           sharding.format_param_table(p['params']), '', *_hosts(p), 'per device:']
   held = p['bytes_per_device']
   for key, label in (('params', 'parameters'), ('optimizer', 'optimizer state'),
                      ('model_state', 'model state (BatchNorm)'), ('batch', 'train batch'),
                      ('other', 'step counter')):
     if held[key]:
       lines.append(f'  {label:32s}{_mib(held[key]):>14s}')
-  m = p['compiled_memory']
-  if m is None:
-    lines.append('  (this backend gives no memory analysis of the compiled step)')
-  else:
-    lines.append('compiled train step, per device (XLA memory analysis):')
-    for key, label in (('arguments', 'arguments (state + batch)'),
-                       ('outputs', 'outputs (new state + metrics)'),
-                       ('aliased', 'outputs aliasing donated args'),
-                       ('temporaries', 'temporaries'), ('code', 'generated code'),
-                       ('peak', 'peak = args + outputs - aliased + temporaries + code')):
-      lines.append(f'  {label:32s}{_mib(m[key]):>14s}' if key != 'peak' else
-                   f'  {label}: {_mib(m[key])}')
-    lines.append('  (not counted: prefetched batches, the eval step, the runtime\'s own reserve)')
-  if p['fits'] is not None:
-    verdict = 'fits' if p['fits'] else 'DOES NOT FIT'
-    lines.append(f'{verdict} in {_mib(p["device_memory_bytes"])} per device')
+  lines += _memory_lines(p)
+  if verdict(p):
+    lines.append(verdict(p))
   lines.append(perf.format_cost(p['step_cost']))
   lines.append('collectives in the compiled step (an op in a loop body is listed once):')
   if not p['collectives']:
     lines.append('  none')
   for r in p['collectives']:
-    group = f'groups of {r["group_size"]} ({r["axes"]})' if r['group_size'] else 'point to point'
+    group = f'groups of {r["group_size"]} ({r["axes"]})' if r['group_size'] else (
+        'across slices' if r['axes'] == 'slices' else 'point to point')
     lines.append(f'  {r["kind"]:20s}{r["count"]:4d} x, {group:28s}'
                  f'{_mib(r["bytes"]):>14s} per device')
+  return '\n'.join(lines)
+
+
+def refusal_line(p: dict, device_memory_gib: float = 0.0) -> str:
+  """The one line a plan that does not fit exits with: the figures and what to change."""
+  change = ('shard more (mesh, rules: fsdp_rules), or lower train.batch_size, or raise '
+            'train.microbatches or model.remat')
+  refusal = p['refusal']
+  if refusal and refusal['needed'] is None:
+    return (f'zoo: the {p["platform"].upper()} compiler refused the {refusal["step"]} step: '
+            f'{refusal["message"]}')
+  step = refusal['step'] if refusal else 'train' if p['compiled_memory']['peak'] > min(
+      x for x in (p['device_memory_bytes'], p['usable_bytes']) if x) else 'eval'
+  needed = refusal['needed'] if refusal else p[
+      'compiled_memory' if step == 'train' else 'eval_memory']['peak']
+  usable = p['usable_bytes']
+  if usable and (not device_memory_gib or usable <= device_memory_gib * 2**30):
+    limit = (f'the {usable / 2**30:.2f} GiB per device that {p["target"]} allows '
+             f'({p["usable_source"]})')
+    if p['platform'] == 'tpu':
+      change += ', or set model.attention=splash (long sequences)'
+  else:
+    limit = f'--device_memory_gib={device_memory_gib:g}'
+  return (f'zoo: the {step} step needs {needed / 2**30:.2f} GiB per device, more than {limit}; '
+          f'{change}')
+
+
+def _probe(setup: setup_lib.Setup, per_device: int) -> Compiled:
+  """The train step compiled for `per_device` examples per device."""
+  size = per_device * setup.mesh.size
+  config = setup.config.copy_and_resolve_references()
+  config.train.batch_size = size
+  batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=v.sharding)
+           for k, v in setup.batch.items()}
+  probe = dataclasses.replace(setup, config=config, batch=batch)
+  with probe.scope():
+    return compile_step(probe.mesh.devices.flat[0].platform, steps.jit_train_step(probe),
+                        probe.abstract_state(), batch)
+
+
+def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
+              target: Optional[topology.Target] = None, largest: int = 4096) -> dict:
+  """The largest train batch per device whose step the compiler fits (and, if given,
+  within --device_memory_gib): doubling from the config's, then bisecting. A refusal that
+  is not for HBM (the TPU compiler's scoped-VMEM errors are not monotonic in the batch) is
+  recorded as what it is and stepped around, never bisected across."""
+  devices = topology.devices(target) if target else jax.devices()
+  cfg.validate(config, len(devices))
+  setup = setup_lib.checked(config, devices, plan=True)
+  usable = topology.usable_memory(target, devices[0])[0] if target else None
+  limit = min(x for x in (device_memory_gib * 2**30, usable) if x) if (
+      device_memory_gib or usable) else None
+  if limit is None:
+    raise ConfigError('--max_batch: this backend has no memory limit to search against; give '
+                      '--device_memory_gib or a TPU --topology')
+  shards = setup.mesh.size // (setup.batch_sharding.shard_shape((setup.mesh.size,))[0] or 1)
+  step = config.train.microbatches * shards // math.gcd(config.train.microbatches * shards,
+                                                        setup.mesh.size)
+  probes, t0 = {}, time.perf_counter()
+
+  def fits(b):  # True, False (out of memory) or None (refused for another reason).
+    if b not in probes:
+      probes[b] = _probe(setup, b)
+    c = probes[b]
+    if c.refusal and c.needed is None:
+      return None
+    return c.memory is not None and c.memory['peak'] <= limit
+
+  good, bad = 0, None
+  b = max(config.train.batch_size // setup.mesh.size // step * step, step)
+  while bad is None and b <= largest:  # Doubling while it fits.
+    verdict = fits(b)
+    if verdict is None:
+      b += step
+    elif verdict:
+      good, b = b, b * 2
+    else:
+      bad = b
+  while good == 0 and bad is not None and bad > step:  # Too big from the start: halving.
+    half = max(bad // 2 // step * step, step)
+    if fits(half):
+      good = half
+    else:
+      bad = half
+  lo, hi = good, bad if bad is not None else largest + step
+  while hi - lo > step:  # Bisecting; another refusal at the middle: its neighbours decide.
+    mid = (lo + hi) // 2 // step * step
+    for probe in sorted(range(lo + step, hi, step), key=lambda x: abs(x - mid)):
+      verdict = fits(probe)
+      if verdict is not None:
+        break
+    else:
+      break
+    lo, hi = (probe, hi) if verdict else (lo, probe)
+  return {'batch_per_device': lo, 'global_batch': lo * setup.mesh.size,
+          'peak': probes[lo].memory['peak'] if lo else None, 'limit': limit, 'refused_at': hi,
+          'other_refusals': {b: c.refusal for b, c in sorted(probes.items())
+                             if c.refusal and c.needed is None},
+          'compiles': len(probes), 'seconds': time.perf_counter() - t0}
+
+
+def format_max_batch(m: dict) -> str:
+  lines = [f'largest train batch that fits: {m["batch_per_device"]} per device '
+           f'(train.batch_size={m["global_batch"]})'
+           + (f', peak {_mib(m["peak"])} of {_mib(m["limit"])}' if m['peak'] else '')
+           + f'; {m["compiles"]} compiles in {m["seconds"]:.0f} s']
+  for b, message in sorted(m['other_refusals'].items()):
+    lines.append(f'  {b} per device: refused for another reason than memory: {message}')
   return '\n'.join(lines)

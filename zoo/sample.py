@@ -33,6 +33,7 @@ import ml_collections
 import numpy as np
 
 from zoo import checkpoint, decode, distributed, sharding
+from zoo import mesh as mesh_lib
 from zoo import setup as setup_lib
 from zoo import workdir as workdir_lib
 from zoo.data.dataset import Dataset
@@ -102,7 +103,7 @@ def choose_mesh(mesh_shape: str, axes: tuple, logical_params: Any,
   """(mesh, rules) to sample on: --mesh_shape, else every device on 'model', else one device."""
   devices = jax.devices()
   if mesh_shape:
-    mesh = sharding.make_mesh(sharding.parse_mesh_shape(mesh_shape, axes, len(devices)), axes,
+    mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh_shape(mesh_shape, axes, len(devices)), axes,
                               devices)
     fitted = _kv_heads_fitted(logical_params, mesh, rules)
     if fitted is None:
@@ -111,13 +112,13 @@ def choose_mesh(mesh_shape: str, axes: tuple, logical_params: Any,
                         'under the run\'s logical_axis_rules; choose other sizes')
     return mesh, fitted
   if 'model' in axes:
-    mesh = sharding.make_mesh([len(devices) if a == 'model' else 1 for a in axes], axes, devices)
+    mesh = mesh_lib.make_mesh([len(devices) if a == 'model' else 1 for a in axes], axes, devices)
     fitted = _kv_heads_fitted(logical_params, mesh, rules)
     if fitted is not None:
       return mesh, fitted
   logging.warning('the parameters do not split over %d devices on the model axis; sampling on '
                   'one device (set --mesh_shape to choose)', len(devices))
-  return sharding.make_mesh([1] * len(axes), axes, devices[:1]), rules
+  return mesh_lib.make_mesh([1] * len(axes), axes, devices[:1]), rules
 
 
 def generate(workdir: str, prompts: Sequence[str] = ('',), num_tokens: int = 200,
@@ -207,7 +208,7 @@ def _sampling_setup(config: ml_collections.ConfigDict, dataset: Dataset, mesh_sh
   """The run's Setup on the sampling mesh (choose_mesh); the samples are replicated where
   they do not divide over the batch shards."""
   axes = tuple(config.mesh.axes)
-  one_device = sharding.make_mesh([1] * len(axes), axes, jax.devices()[:1])
+  one_device = mesh_lib.make_mesh([1] * len(axes), axes, jax.devices()[:1])
   logical = setup_lib.build(config, dataset, mesh=one_device)  # For the parameters' names.
   mesh, rules = choose_mesh(mesh_shape, axes, logical.logical_state.params, logical.rules)
   if rows % math.prod(mesh.shape[a] for a in sharding.batch_mesh_axes(rules)):

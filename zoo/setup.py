@@ -19,6 +19,7 @@ import optax
 
 from zoo import config as cfg
 from zoo import data, models, optim, sharding, steps, tasks
+from zoo import mesh as mesh_lib
 from zoo.data import feed
 from zoo.data.dataset import Dataset
 from zoo.models.family import ModelFamily
@@ -40,16 +41,12 @@ class Setup:
   init_state: Callable[[jax.Array], steps.TrainState]   # rng -> state with logical boxes.
   logical_state: steps.TrainState    # Its shapes; leaves nn.Partitioned with logical names.
   state_shardings: steps.TrainState  # A NamedSharding per leaf of the state.
-  rng: jax.Array                # The run's key: initialisation; dropout_rng derives from it.
+  rng: jax.Array                # The run's key, for initialisation (dropout: steps.dropout_key).
   batch: dict                   # A global train batch's shapes and sharding (ShapeDtypeStructs).
 
   def scope(self) -> contextlib.AbstractContextManager:
     """The mesh and the rules, under which model code is traced (and constraints kept)."""
     return sharding.scope(self.mesh, self.rules)
-
-  @property
-  def dropout_rng(self) -> jax.Array:
-    return jax.random.fold_in(self.rng, 1)
 
   def abstract_state(self) -> steps.TrainState:
     """The state's ShapeDtypeStructs carrying their shardings: what a plan compiles for and
@@ -57,6 +54,13 @@ class Setup:
     shapes = jax.eval_shape(lambda rng: nn.meta.unbox(self.init_state(rng)), self.rng)
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, self.state_shardings)
+
+  def eval_batch(self) -> dict:
+    """A global eval batch's shapes and sharding (ShapeDtypeStructs), from one row."""
+    size = self.config.eval.batch_size
+    example = next(iter(self.dataset.eval_batches(size, slice(0, 1))))
+    return {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=self.batch_sharding)
+            for k, v in example.items()}
 
   def create_state(self) -> steps.TrainState:
     """A fresh state initialised directly into its shards: never materialised replicated."""
@@ -71,10 +75,13 @@ class Setup:
 
 
 def build(config: ml_collections.ConfigDict, dataset: Dataset,
-          mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[Any] = None) -> Setup:
-  """The Setup of `config` on its mesh (or on `mesh`, under `rules`); checks nothing."""
+          mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[Any] = None,
+          devices: Optional[list] = None) -> Setup:
+  """The Setup of `config` on its mesh over `devices` (default: all; or on `mesh`, under
+  `rules`); checks nothing."""
   if mesh is None:
-    mesh = sharding.make_mesh(config.mesh.shape, config.mesh.axes, dcn_shape=config.mesh.dcn_shape)
+    mesh = mesh_lib.make_mesh(config.mesh.shape, config.mesh.axes, devices,
+                              dcn_shape=config.mesh.dcn_shape)
   rules = sharding.rules_tuple(config.logical_axis_rules if rules is None else rules)
   family = models.MODELS[config.model.name]
   task = tasks.TASKS[family.task]
@@ -96,13 +103,16 @@ def build(config: ml_collections.ConfigDict, dataset: Dataset,
                sharding.logical_shardings(logical_state, mesh, rules), rng, batch)
 
 
-def checked(config: ml_collections.ConfigDict) -> Setup:
-  """The Setup of a config that config.validate passed, once its data and its parameters'
-  shardings are checked too (ConfigError if they do not fit). Writes nothing."""
+def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
+            plan: bool = False) -> Setup:
+  """The Setup of a config that config.validate passed, on `devices` (default: all), once
+  its data (for a `plan`, but its size), its parameters' shardings and every process's
+  batch rows are checked too (ConfigError if they do not fit). Writes nothing."""
   dataset = data.load(config.data, config.seed)
-  cfg.validate_with_data(config, dataset)
-  setup = build(config, dataset)
+  cfg.validate_with_data(config, dataset, plan)
+  setup = build(config, dataset, devices=devices)
   with setup.scope():
     cfg.validate_shardings(setup.param_table(), setup.mesh, setup.rules)
-  feed.process_rows(setup.batch_sharding, config.train.batch_size)  # Contiguous, or ConfigError.
+  for size in (config.train.batch_size, config.eval.batch_size):
+    feed.rows_by_process(setup.batch_sharding, size)  # One block each, or ConfigError.
   return setup

@@ -8,14 +8,11 @@ axis name: the rule table is never ambiguous.
 """
 import contextlib
 import math
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Sequence
 
 import flax.linen as nn
 import jax
-from jax.experimental import mesh_utils
 import numpy as np
-
-from zoo.errors import ConfigError
 
 MESH_AXES = ('batch', 'model')
 
@@ -81,54 +78,6 @@ def batch_mesh_axes(rules: Sequence) -> tuple:
   return mesh_axes_of(nn.logical_to_mesh_axes(('act_batch',), rules_tuple(rules))[0])
 
 
-def parse_mesh_shape(text: str, axes: Sequence[str], num_devices: int,
-                     field: str = '--mesh_shape') -> tuple:
-  """A command line's mesh shape, '1,8' or '-1,1', checked against the devices present."""
-  try:
-    shape = tuple(int(s) for s in text.split(','))
-  except ValueError:
-    raise ConfigError(f'{field}: {text!r} is not comma-separated integers, e.g. '
-                      f"'1,{num_devices}'") from None
-  return check_mesh_shape(shape, axes, num_devices, field=field)
-
-
-def check_mesh_shape(shape: Sequence[int], axes: Sequence[str], num_devices: int,
-                     field: str = 'config.mesh.shape',
-                     dcn_shape: Optional[Sequence[int]] = None) -> tuple:
-  """The shape with its -1 filled in. ConfigError naming `field` unless it gives one size
-  per axis, at most one -1, and a product that is (or, with -1, divides) `num_devices`;
-  and naming config.mesh.axes or config.mesh.dcn_shape (if given) where those are wrong."""
-  shape, axes = tuple(shape), tuple(axes)
-  if len(shape) != len(axes):
-    repeated = (' (repeating --config.mesh.shape concatenates the tuples)'
-                if field == 'config.mesh.shape' else '')
-    raise ConfigError(f'{field}: {shape} has {len(shape)} entries but mesh.axes {axes} has '
-                      f'{len(axes)}; give one size per axis{repeated}')
-  if 'batch' not in axes or len(set(axes)) != len(axes):
-    raise ConfigError(f'config.mesh.axes: {axes} must name distinct axes including "batch"')
-  if shape.count(-1) > 1:
-    raise ConfigError(f'{field}: {shape} has more than one -1; at most one axis size can be '
-                      'inferred')
-  if any(s == 0 or s < -1 for s in shape):
-    raise ConfigError(f'{field}: {shape} has a size that is neither positive nor -1')
-  dcn = tuple(dcn_shape or (1,) * len(axes))
-  if len(dcn) != len(axes) or any(d <= 0 for d in dcn):
-    raise ConfigError(f'config.mesh.dcn_shape: {dcn} must give one positive number of slices '
-                      f'per axis of {axes}')
-  known = math.prod(s for s in shape if s != -1)
-  if -1 in shape and num_devices % known:
-    raise ConfigError(f'{field}: {shape}: {num_devices} devices do not divide by {known}; '
-                      f'make the other sizes divide {num_devices}')
-  if -1 not in shape and known != num_devices:
-    raise ConfigError(f'{field}: {shape} needs {known} devices but {num_devices} are present; '
-                      f'make the product {num_devices} or put -1 for one axis')
-  resolved = resolve_mesh_shape(shape, num_devices)
-  if any(s % d for s, d in zip(resolved, dcn)):
-    raise ConfigError(f'config.mesh.dcn_shape: {dcn} does not divide the mesh shape {resolved}; '
-                      'each axis size must be a multiple of its number of slices')
-  return resolved
-
-
 def fit_rules(logical_params: Any, mesh: jax.sharding.Mesh, rules: Sequence) -> tuple:
   """`rules`, with every logical axis that some parameter cannot split over `mesh` (its
   dimension does not divide) replicated instead: how a model whose sizes were chosen
@@ -146,41 +95,6 @@ def per_device_bytes(tree: Any) -> int:
   """Bytes of one device's shards of `tree`: jax.Arrays or ShapeDtypeStructs with shardings."""
   return sum(math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
              for leaf in jax.tree.leaves(tree))
-
-
-def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple:
-  """Fills the one -1 entry of `shape` so that its product is `num_devices`."""
-  shape = tuple(int(s) for s in shape)
-  if -1 in shape:
-    known = math.prod(s for s in shape if s != -1)
-    shape = tuple(num_devices // known if s == -1 else s for s in shape)
-  return shape
-
-
-def make_mesh(shape: Sequence[int], axes: Sequence[str], devices: Optional[Sequence] = None,
-              dcn_shape: Sequence[int] = ()) -> jax.sharding.Mesh:
-  """A mesh over `devices` (default: all global devices) with Auto axis types.
-
-  Linen's sharding annotations need Auto axes: jax.make_mesh defaults to
-  Explicit, under which the embedding lookup fails to trace. A `dcn_shape` other than
-  all ones builds a hybrid mesh for several TPU slices: `dcn_shape[i]` slices along axis
-  i, each slice's devices contiguous inside it.
-  """
-  devices = jax.devices() if devices is None else devices
-  shape = resolve_mesh_shape(shape, len(devices))
-  axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
-  if math.prod(dcn_shape or (1,)) == 1:
-    return jax.make_mesh(shape, tuple(axes), devices=devices, axis_types=axis_types)
-  slices = {getattr(d, 'slice_index', 0) for d in devices}
-  by_process = len(slices) == 1  # No slices (CPU, one GPU host): processes stand in for them.
-  granules = len({d.process_index for d in devices}) if by_process else len(slices)
-  if granules != math.prod(dcn_shape):
-    raise ConfigError(f'config.mesh.dcn_shape: {tuple(dcn_shape)} makes {math.prod(dcn_shape)} '
-                      f'slices but there are {granules} {"processes" if by_process else "slices"}')
-  ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape))
-  array = mesh_utils.create_hybrid_device_mesh(ici_shape, tuple(dcn_shape), devices,
-                                               process_is_granule=by_process)
-  return jax.sharding.Mesh(array, tuple(axes), axis_types=axis_types)
 
 
 def logical_shardings(logical_tree: Any, mesh: jax.sharding.Mesh, rules: Sequence) -> Any:

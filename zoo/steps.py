@@ -57,18 +57,26 @@ def _microbatches(x, k):
   return nn.with_logical_constraint(x, (None, 'act_batch') + (None,) * (x.ndim - 2))
 
 
-def train_step(state: TrainState, batch: dict, rng: jax.Array, task: Task,
+def dropout_key(seed: int, step: jax.Array) -> jax.Array:
+  """The dropout key of a step, fold_in(fold_in(key(seed), 1), step): a resumed run draws
+  the same masks. Computed inside the step, so that setting up a run runs nothing on the
+  devices (compile-only TPU devices can run nothing at all)."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1), step)
+
+
+def train_step(state: TrainState, batch: dict, seed: int, task: Task,
                microbatches: int = 1) -> tuple[TrainState, dict]:
   """One optimizer step on a global batch; returns the new state, the loss and the
   gradient norm (computed once, for the metric and for optim.clip_by_global_norm). The
   loop adds the parameter norm (check_state, a separate program) only at the steps it
   logs, evaluates or saves.
 
-  Dropout keys derive from (rng, step), so a resumed run draws the same masks. With
+  Dropout keys derive from (seed, step) (dropout_key), so a resumed run draws the same
+  masks. With
   `microbatches` k > 1 the batch's gradient is the mean of k microbatch gradients,
   accumulated in float32 under `lax.scan`: activations of one microbatch live at a time.
   """
-  rng = jax.random.fold_in(rng, state.step)
+  rng = dropout_key(seed, state.step)
   grad_fn = jax.value_and_grad(functools.partial(loss, task=task), has_aux=True)
   if microbatches == 1:
     (mean_loss, model_state), grads = grad_fn(state.params, state, batch, rng)
@@ -124,8 +132,8 @@ def check_state(state: TrainState) -> dict:
 
 def jit_train_step(setup: 'Setup') -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """(state, batch) -> (state, metrics), jitted with the Setup's shardings; the state is
-  donated and dropout's base key bound in."""
-  step = functools.partial(train_step, rng=setup.dropout_rng, task=setup.task,
+  donated and the seed of dropout's keys bound in."""
+  step = functools.partial(train_step, seed=setup.config.seed, task=setup.task,
                            microbatches=setup.config.train.microbatches)
   return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
                  out_shardings=(setup.state_shardings, None), donate_argnums=0)

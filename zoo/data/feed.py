@@ -11,18 +11,29 @@ from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError
 
 
+def rows_by_process(batch_sharding: jax.sharding.NamedSharding,
+                    global_batch_size: int) -> dict[int, slice]:
+  """process index -> the contiguous rows of a global batch that its devices hold (for
+  every process of the mesh, compile-only pod devices too); ConfigError if a process's
+  rows are not one block."""
+  spans = {}
+  for device, index in batch_sharding.devices_indices_map((global_batch_size,)).items():
+    start, stop = index[0].indices(global_batch_size)[:2]
+    spans.setdefault(device.process_index, set()).add((start, stop))
+  rows = {}
+  for process, blocks in sorted(spans.items()):
+    first, last = min(a for a, _ in blocks), max(b for _, b in blocks)
+    if sum(b - a for a, b in blocks) != last - first:
+      raise ConfigError(f'config.mesh.shape: process {process} holds non-contiguous rows of the '
+                        f'batch {sorted(blocks)}; choose a shape whose batch axis gives each '
+                        'process one block of rows')
+    rows[process] = slice(first, last)
+  return rows
+
+
 def process_rows(batch_sharding: jax.sharding.NamedSharding, global_batch_size: int) -> slice:
   """The contiguous rows of a global batch that this process's devices hold."""
-  indices = batch_sharding.addressable_devices_indices_map((global_batch_size,)).values()
-  starts = [idx[0].start or 0 for idx in indices]
-  stops = [global_batch_size if idx[0].stop is None else idx[0].stop for idx in indices]
-  rows = slice(min(starts), max(stops))
-  covered = sum(s1 - s0 for s0, s1 in sorted(set(zip(starts, stops))))
-  if covered != rows.stop - rows.start:
-    raise ConfigError(f'config.mesh.shape: this process holds non-contiguous rows of the batch '
-                      f'{sorted(set(zip(starts, stops)))}; choose a shape whose batch axis gives '
-                      'each process one block of rows')
-  return rows
+  return rows_by_process(batch_sharding, global_batch_size)[jax.process_index()]
 
 
 def to_global(local_batch: dict, batch_sharding: jax.sharding.NamedSharding,

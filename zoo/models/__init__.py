@@ -21,6 +21,7 @@ MODELS: dict[str, ModelFamily] = {
 
 def build(model_config: ml_collections.ConfigDict, **data_fields) -> nn.Module:
   """The model named by `model_config.name`, with its fields plus the data's (e.g. num_classes;
-  a field the config also sets, such as an imported model's vocab_size, keeps the config's)."""
-  fields = {k: v for k, v in model_config.items() if k != 'name'}
+  a field the config also sets, such as an imported model's vocab_size, keeps the config's;
+  one it leaves None takes the data's)."""
+  fields = {k: v for k, v in model_config.items() if k != 'name' and v is not None}
   return MODELS[model_config.name].module(**{**data_fields, **fields})

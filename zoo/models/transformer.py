@@ -21,8 +21,9 @@ mesh axis (Megatron-LM, arXiv:1909.08053). The switches every Transformer family
   `norm_epsilon`, `mlp_activation` ('gelu' with the tanh approximation, 'gelu_exact', or
   'swiglu': SiLU-gated, Shazeer arXiv:2002.05202), `use_bias` (biases on every projection);
   GPT-2, Llama and HF's ViT are settings of these (zoo/convert.py);
-- `attention`: the implementation jax.nn.dot_product_attention uses, 'xla' or 'cudnn'
-  (fused, on NVIDIA GPUs).
+- `attention`: 'xla' or 'cudnn' (fused, on NVIDIA GPUs), jax.nn.dot_product_attention's
+  implementations, or 'splash', the Pallas TPU kernel that never holds the L x L scores
+  (zoo.models.splash; interpreted off TPU).
 
 With `decode=True` a model keeps a key/value cache of `max_len` positions in the 'cache'
 collection, sharded over heads like the activations, and appends to it: a prompt's
@@ -46,6 +47,7 @@ import ml_collections
 import numpy as np
 
 from zoo.errors import fail
+from zoo.models import splash
 from zoo.models.layers import param, partitioned
 
 REMAT_POLICIES = {
@@ -58,7 +60,7 @@ DTYPES = ('float32', 'bfloat16')
 POSITIONS = ('learned', 'rotary')
 NORMS = ('layer', 'rms')
 MLP_ACTIVATIONS = ('gelu', 'gelu_exact', 'swiglu')
-ATTENTION = ('xla', 'cudnn')
+ATTENTION = ('xla', 'cudnn', 'splash')
 
 
 class Transformer(nn.Module):
@@ -206,12 +208,19 @@ class Attention(nn.Module):
     if self.rotary:
       q_BLNH = rotate(q_BLNH, positions_BL, self.rope_theta)
       k_BMGH = rotate(k_BMGH, positions_BL, self.rope_theta)
-    mask, causal = None, self.causal
+    mask, causal, out_BLNH = None, self.causal, None
     if self.decode:
       k_BMGH, v_BMGH, mask = self._extend_cache(k_BMGH, v_BMGH, start_B, kv_act)
       causal = False  # The cache mask is causal.
-    out_BLNH = jax.nn.dot_product_attention(q_BLNH, k_BMGH, v_BMGH, mask=mask, is_causal=causal,
-                                            implementation=self.implementation)
+    if self.implementation == 'splash' and not self.is_initializing():  # Init: shapes only.
+      if self.decode:
+        splash.fallback('decoding from a key/value cache')
+      else:
+        out_BLNH = splash.attention(q_BLNH, k_BMGH, v_BMGH, causal, kv_act[2])
+    if out_BLNH is None:
+      out_BLNH = jax.nn.dot_product_attention(
+          q_BLNH, k_BMGH, v_BMGH, mask=mask, is_causal=causal,
+          implementation=None if self.implementation == 'splash' else self.implementation)
     out_BLNH = nn.with_logical_constraint(out_BLNH, act)
     w_NHD = param(self, 'out', (self.num_heads, self.head_dim, d_model), ('heads', 'kv', 'embed'),
                   self.dtype)

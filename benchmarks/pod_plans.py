@@ -1,0 +1,167 @@
+r"""Pod plans compiled here by the TPU compiler: what fits where, at what peak, how fast.
+
+    pip install -e '.[tpu]'
+    python benchmarks/pod_plans.py                 # everything (about 1.5 hours on 2 cores)
+    python benchmarks/pod_plans.py --only=plans    # or maxtext, cpu
+
+Three tables (and pod_plans.json):
+- plans: char_lm:100m, char_lm:1b and a Llama-3-8B-shaped decoder (abstract parameters, no
+  weights) on v5litepod-256, v5p-64, v5p-256, v6e-256 and 2 slices of v5litepod-256; data
+  parallel (DP), FSDP, and tensor x data parallel (TP x DP, 4-way 'model'); at 8,192
+  tokens, one sequence per chip, as the experiment sets it (100m, 1b: dots_no_batch remat,
+  XLA attention; the 8B: none) and with full remat + splash attention. Each row: the
+  compiler's verdict, its peak per chip, compile seconds, the collectives' bytes per chip.
+- cpu: the same configs on v5p-64's mesh planned by `--dry_run --cpu_devices=32` (the CPU
+  compiler's layout and zoo's peak sum): what a plan without libtpu would have said.
+- maxtext: the Llama-2-7B shapes of issue #23 (FSDP over every chip, full remat, scanned
+  layers) on v5p-64 and v5litepod-256 at 2,048 tokens and v5p-64 at 8,192: the largest
+  batch per chip the compiler accepts (plan.max_batch), splash against XLA attention, and
+  the train step's compile time at one sequence per chip.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+LLAMA3_8B = dict(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, mlp_dim=14336,
+                 vocab_size=128256, positions='rotary', rope_theta=500000.0, norm='rms',
+                 norm_epsilon=1e-5, mlp_activation='swiglu')
+LLAMA2_7B = dict(num_layers=32, d_model=4096, num_heads=32, mlp_dim=11008, vocab_size=32000,
+                 positions='rotary', norm='rms', norm_epsilon=1e-5, mlp_activation='swiglu',
+                 remat='full', scan_layers=True)
+MODELS = {'100m': ('100m', {}), '1b': ('1b', {}), 'llama3-8b': ('1b', LLAMA3_8B)}
+TARGETS = [('v5litepod-256', 1), ('v5p-64', 1), ('v5p-256', 1), ('v6e-256', 1),
+           ('v5litepod-256', 2)]
+MESHES = {'DP': ((-1, 1), False), 'FSDP': ((-1, 1), True), 'TP x DP': ((-1, 4), False)}
+VARIANTS = {'as set': {}, 'remat full + splash': {'remat': 'full', 'attention': 'splash'}}
+SEQ = 8192
+
+
+def config_for(model, mesh, variant, devices, slices=1, seq=SEQ, per_device=1):
+  from zoo import sharding  # pylint: disable=import-outside-toplevel
+  from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
+  arg, fields = MODELS[model]
+  shape, fsdp = MESHES[mesh]
+  c = load_experiment(os.path.join(REPO, 'experiments', 'char_lm.py'), arg)
+  c.model.update({**fields, **VARIANTS[variant], 'max_len': seq})
+  c.data.seq_len = seq
+  c.mesh.shape, c.mesh.dcn_shape = shape, (slices, 1)
+  c.logical_axis_rules = sharding.fsdp_rules() if fsdp else sharding.standard_rules()
+  c.train.batch_size = per_device * devices
+  c.eval.batch_size = devices
+  return c
+
+
+def _collectives(rows):
+  return ', '.join(f'{r["kind"]} {r["bytes"] / 2**30:.2f}G' for r in rows
+                   if r['bytes'] >= 2**26) or '-'
+
+
+def plans(out):
+  from zoo import plan, topology  # pylint: disable=import-outside-toplevel
+  for name, slices in TARGETS:
+    target = topology.parse(name, slices)
+    for model in MODELS:
+      for mesh in MESHES:
+        for variant in VARIANTS:
+          config = config_for(model, mesh, variant, target.chips * slices, slices)
+          t0 = time.perf_counter()
+          p = plan.make_plan(config, target=target)
+          row = {'target': f'{slices} x {name}' if slices > 1 else name, 'model': model,
+                 'mesh': mesh, 'variant': variant,
+                 'fits': 'yes' if p['fits'] else 'NO',
+                 'peak_gib': round((p['compiled_memory'] or {}).get('peak', 0) / 2**30, 2) or (
+                     round(p['refusal']['needed'] / 2**30, 2) if p['refusal'] and
+                     p['refusal']['needed'] else None),
+                 'usable_gib': round(p['usable_bytes'] / 2**30, 2),
+                 'compile_s': round(p['compile_s'], 1),
+                 'plan_s': round(time.perf_counter() - t0, 1),
+                 'collectives': _collectives(p['collectives'])}
+          print(json.dumps(row), flush=True)
+          out.setdefault('plans', []).append(row)
+
+
+def cpu(out):
+  """Runs itself with 32 emulated CPU devices: v5p-64's chip count."""
+  result = subprocess.run([sys.executable, __file__, '--only=_cpu_rows'], cwd=REPO, check=True,
+                          capture_output=True, text=True,
+                          env={**os.environ, 'JAX_PLATFORMS': 'cpu',
+                               'XLA_FLAGS': '--xla_force_host_platform_device_count=32'})
+  out['cpu'] = json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _cpu_rows(out):
+  from zoo import plan  # pylint: disable=import-outside-toplevel
+  rows = []
+  for model in MODELS:
+    for mesh in MESHES:
+      for variant in VARIANTS:
+        t0 = time.perf_counter()
+        p = plan.make_plan(config_for(model, mesh, variant, 32))
+        rows.append({'model': model, 'mesh': mesh, 'variant': variant,
+                     'cpu_peak_gib': round(p['compiled_memory']['peak'] / 2**30, 2),
+                     'cpu_plan_s': round(time.perf_counter() - t0, 1)})
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+  del out
+  print(json.dumps(rows))
+
+
+def maxtext(out):
+  from zoo import plan, topology  # pylint: disable=import-outside-toplevel
+  from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
+  maxtext_batch = {('v5p-64', 2048): 97, ('v5litepod-256', 2048): 18, ('v5p-64', 8192): 22}
+  for (name, seq), theirs in maxtext_batch.items():
+    target = topology.parse(name)
+    for attention in ('splash', 'xla'):
+      c = load_experiment(os.path.join(REPO, 'experiments', 'char_lm.py'), '1b,fsdp')
+      c.model.update({**LLAMA2_7B, 'attention': attention, 'max_len': seq})
+      c.data.seq_len, c.eval.batch_size = seq, target.chips
+      c.train.batch_size = target.chips * (theirs if attention == 'splash' else 1)
+      found = plan.max_batch(c, target=target)
+      row = {'target': name, 'seq': seq, 'attention': attention,
+             'zoo_batch_per_chip': found['batch_per_device'], 'maxtext_splash': theirs,
+             'peak_gib': round((found['peak'] or 0) / 2**30, 2), 'compiles': found['compiles'],
+             'search_s': round(found['seconds']), 'other_refusals': found['other_refusals']}
+      print(json.dumps(row), flush=True)
+      out.setdefault('maxtext', []).append(row)
+  c = load_experiment(os.path.join(REPO, 'experiments', 'char_lm.py'), '1b,fsdp')
+  c.model.update({**LLAMA2_7B, 'attention': 'splash', 'max_len': 2048})
+  c.data.seq_len, c.train.batch_size, c.eval.batch_size = 2048, 32, 32
+  p = plan.make_plan(c, target=topology.parse('v5p-64'))
+  out['compile_batch_1_v5p_64_s'] = round(p['compile_s'], 1)
+  print(json.dumps({'compile at batch 1 per chip, v5p-64, splash': p['compile_s']}), flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--only', default='plans,cpu,maxtext')
+  parser.add_argument('--json', default='pod_plans.json')
+  args = parser.parse_args()
+  if args.only == '_cpu_rows':
+    _cpu_rows({})
+    return
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  from absl import logging  # pylint: disable=import-outside-toplevel
+  logging.set_verbosity(logging.ERROR)  # One line per row, not the fallback warnings.
+  out = {}
+  if os.path.exists(args.json):
+    with open(args.json, encoding='utf-8') as f:
+      out = json.load(f)
+  for section in args.only.split(','):
+    out.pop(section, None)
+    {'plans': plans, 'cpu': cpu, 'maxtext': maxtext}[section](out)
+    with open(args.json, 'w', encoding='utf-8') as f:
+      json.dump(out, f, indent=2)
+  import tables  # pylint: disable=import-outside-toplevel  # benchmarks/tables.py
+  for section in ('plans', 'cpu', 'maxtext'):
+    if out.get(section):
+      tables.print_rows(section, out[section])
+
+
+if __name__ == '__main__':
+  main()
