@@ -102,3 +102,43 @@ def test_dry_run_plans_a_mesh_larger_than_the_tests_and_writes_nothing(tmp_path)
   assert no_workdir.returncode == 1
   assert no_workdir.stderr.strip().splitlines()[-1] == (
       'zoo: error: --workdir is required (or --dry_run, which writes nothing)')
+
+
+def test_max_batch_bisects_the_verdict_and_steps_around_other_refusals(monkeypatch, devices):
+  """A stand-in compiler: batches up to 53 per device fit, 54 and more run out of memory,
+  and 16 and 51 are refused for another reason (as the TPU compiler's scoped-VMEM errors
+  are, not monotonically). The search finds 53, takes neither odd batch for either side,
+  and reports both."""
+  del devices
+  asked, vmem = [], 'RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom'
+
+  def probe(setup, per_device):
+    del setup
+    asked.append(per_device)
+    if per_device in (16, 51):
+      return plan.Compiled(refusal=vmem)
+    if per_device > 53:
+      return plan.Compiled(refusal='RESOURCE_EXHAUSTED: Ran out of memory on HBM', needed=2**40)
+    return plan.Compiled(memory={'peak': per_device * 2**20})
+  monkeypatch.setattr(plan, '_probe', probe)
+  found = plan.max_batch(load_config('char_lm', **{'mesh.shape': (8, 1)}), device_memory_gib=1)
+  assert found['batch_per_device'] == 53 and found['global_batch'] == 53 * 8
+  assert found['peak'] == 53 * 2**20 and found['refused_at'] == 54
+  assert found['other_refusals'] == {16: vmem, 51: vmem}
+  assert len(asked) == len(set(asked)) == found['compiles'] < 14  # Doubling, then bisecting.
+  monkeypatch.setattr(plan, '_probe', lambda setup, b: plan.Compiled(memory={'peak': 2**30 * b}))
+  assert plan.max_batch(load_config('char_lm', **{'mesh.shape': (8, 1)}),
+                        device_memory_gib=2.5)['batch_per_device'] == 2  # Halving from 2.
+
+
+def test_max_batch_finds_the_edge_of_the_compiled_verdict(devices):
+  """Real compiles on the 8 CPU devices against a budget: the batch found fits, one more
+  step of batch does not."""
+  del devices
+  config = load_config('mlp_digits', **{'mesh.shape': (8, 1)})
+  found = plan.max_batch(config, device_memory_gib=0.002)
+  b = found['batch_per_device']
+  assert b >= 8 and found['peak'] <= 0.002 * 2**30, found
+  for per_device, fits in ((b, True), (b + 1, False)):
+    config.train.batch_size = per_device * 8
+    assert plan.make_plan(config, 0.002)['fits'] is fits, per_device

@@ -90,7 +90,7 @@ def build(config: ml_collections.ConfigDict, dataset: Dataset,
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(sharding.batch_mesh_axes(rules) or None))
   size = config.train.batch_size
-  example = dataset.train_batch(0, size, slice(0, 1))
+  example = dataset.train_batch(0, 1, slice(0, 1))  # One example: the shapes.
   batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
            for k, v in example.items()}
   # Zeros on the host: the state's shapes need no device work.
