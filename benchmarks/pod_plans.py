@@ -71,17 +71,23 @@ def plans(out):
         for variant in VARIANTS:
           config = config_for(model, mesh, variant, target.chips * slices, slices)
           t0 = time.perf_counter()
-          p = plan.make_plan(config, target=target)
           row = {'target': f'{slices} x {name}' if slices > 1 else name, 'model': model,
-                 'mesh': mesh, 'variant': variant,
-                 'fits': 'yes' if p['fits'] else 'NO',
+                 'mesh': mesh, 'variant': variant}
+          try:
+            p = plan.make_plan(config, target=target)
+          except Exception as e:  # pylint: disable=broad-except  # Reported as a row.
+            row['fits'] = f'error: {str(e).splitlines()[0][:120]}'
+            print(json.dumps(row), flush=True)
+            out.setdefault('plans', []).append(row)
+            continue
+          row.update({'fits': 'yes' if p['fits'] else 'NO',
                  'peak_gib': round((p['compiled_memory'] or {}).get('peak', 0) / 2**30, 2) or (
                      round(p['refusal']['needed'] / 2**30, 2) if p['refusal'] and
                      p['refusal']['needed'] else None),
                  'usable_gib': round(p['usable_bytes'] / 2**30, 2),
                  'compile_s': round(p['compile_s'], 1),
                  'plan_s': round(time.perf_counter() - t0, 1),
-                 'collectives': _collectives(p['collectives'])}
+                 'collectives': _collectives(p['collectives'])})
           print(json.dumps(row), flush=True)
           out.setdefault('plans', []).append(row)
 

@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
-from conftest import REPO, experiment
+from conftest import REPO, experiment, load_config
 from zoo import mesh as mesh_lib
-from zoo import topology
+from zoo import setup as setup_lib, steps, topology
 from zoo.data import feed
 from zoo.errors import ConfigError
 
@@ -81,20 +82,20 @@ def _rows(mesh, batch):
 ])
 def test_every_process_feeds_one_block_of_rows(name, slices, shape, dcn):
   """On real host layouts a plain physical order gives a host rows 0-1, 8-9, 32-33, ...
-  of (32, 1); zoo's mesh gives each process one block, in process order, and keeps the
-  model axis inside a host."""
+  of (32, 1); zoo's mesh gives each process one block of rows, in process order, and keeps
+  every model group a box of neighbouring chips (the physical order's)."""
   devices = topology.devices(topology.parse(name, slices))
   processes = sorted({d.process_index for d in devices})
-  per_host = len(devices) // len(processes)
   mesh = mesh_lib.make_mesh(shape, ('batch', 'model'), devices, dcn)
   batch = 4 * shape[0]
   rows = _rows(mesh, batch)  # Raises ConfigError for a non-contiguous host.
   assert sorted(rows) == processes
-  share = batch // len(processes) if shape[1] <= per_host else None
-  for p in processes:
-    assert rows[p] == slice(p * share, (p + 1) * share), (p, rows[p])
-  for row in mesh.devices:  # Each model group inside one host.
-    assert len({d.process_index for d in row}) == 1
+  starts = [rows[p].start for p in processes]
+  assert starts == sorted(starts) and rows[processes[-1]].stop == batch
+  for row in mesh.devices:  # Each model group: chips filling a box of the torus.
+    coords = np.array([d.coords for d in row])
+    box = np.prod(coords.max(0) - coords.min(0) + 1)
+    assert box * (2 if name.startswith('tpu7x') else 1) == len(row), coords
   if slices > 1:  # Slices along 'batch': the first half of the rows is slice 0's.
     assert {d.slice_index for d in mesh.devices[:shape[0] // 2].flat} == {0}
 
@@ -110,12 +111,20 @@ def test_a_plain_physical_order_would_not_start():
 
 
 @needs_libtpu
-def test_model_axis_spans_hosts_only_when_a_host_is_too_small():
-  devices = topology.devices(topology.parse('v5p-64'))
-  mesh = mesh_lib.make_mesh((2, 16), ('batch', 'model'), devices)
-  hosts = [sorted({d.process_index for d in row}) for row in mesh.devices]
-  assert hosts == [[0, 1, 2, 3], [4, 5, 6, 7]]  # 16 = 4 hosts of 4 chips, consecutive.
-  assert _rows(mesh, 8) == {p: slice(p // 4 * 4, p // 4 * 4 + 4) for p in range(8)}
+@pytest.mark.parametrize('shape', [(16, 4), (32, 2)])
+def test_tensor_parallel_meshes_compile_on_a_slice_without_wraparound(shape):
+  """v5litepod-64 (8x8 chips, no wraparound): with whole hosts as blocks of the mesh the
+  batch groups are strided lattices the TPU compiler cannot route ("Failed to create
+  limited ICI routing replica info table"); zoo's mesh compiles."""
+  target = topology.parse('v5litepod-64')
+  config = load_config('char_lm', **{'mesh.shape': shape, 'train.batch_size': 2 * shape[0],
+                                     'eval.batch_size': shape[0]})
+  s = setup_lib.checked(config, topology.devices(target), plan=True)
+  # One block of rows each (two hosts that share a model group feed the same rows).
+  rows = feed.rows_by_process(s.batch_sharding, 2 * shape[0])
+  assert len(rows) == 16 and max(r.stop for r in rows.values()) == 2 * shape[0]
+  with s.scope():
+    steps.jit_train_step(s).lower(s.abstract_state(), s.batch).compile()
 
 
 @needs_libtpu

@@ -1,21 +1,18 @@
 """The device mesh: its shape, checked against the devices, and the order of the devices in it.
 
-On one process a mesh is `jax.make_mesh`'s (the accelerator's physical layout). Across
-processes each process feeds the rows of the global batch that its devices hold, so the
-layout must give every process one contiguous block of mesh positions along the batch
-axes; a plain physical order does not (on a v5p-64, mesh (32, 1) gave process 0 rows
-0-2, 8-10, 32-34 and 40-42). `make_mesh` therefore builds the mesh in three levels:
-
-- slices (multi-slice TPU, `dcn_shape[i]` of them along axis i; without slices,
-  processes stand in for them where dcn_shape asks for several), laid out row-major;
-- inside a slice, its processes (hosts), each one block of the slice's mesh, laid out
-  row-major in process order (consecutive TPU hosts are neighbours in the torus);
-- inside a process, its devices in `mesh_utils.create_device_mesh`'s physical order.
-
-A host's block takes as much of the innermost axes (the model axis) as the host's devices
-allow, so tensor parallelism stays inside a host where it fits and batch rows go to hosts.
+The devices go in the accelerator's physical order (`mesh_utils.create_device_mesh`, or
+`create_hybrid_device_mesh` for several TPU slices), so that every group of devices along
+a mesh axis is a block of neighbours on the chips' interconnect (ICI). Across processes
+each process feeds the rows of the global batch that its devices hold, and the physical
+order alone gives a host scattered rows (on a v5p-64, mesh (32, 1) gave process 0 rows
+0-1, 8-9, 32-33 and 40-41 of 64: a pod run could not start). So the positions along the
+'batch' axis are then sorted by the processes that hold them: every group of devices
+stays the same set (the compiler routes the same collectives), and each process holds one
+block of rows. Keeping whole hosts as blocks of the mesh instead (a host's chips on the
+model axis) makes the batch groups strided lattices of chips, which the TPU compiler
+cannot route on slices without wraparound (v5litepod-64 with a model axis of 4: "Failed
+to create limited ICI routing replica info table").
 """
-import collections
 import math
 from typing import Optional, Sequence
 
@@ -85,11 +82,12 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple:
 
 def make_mesh(shape: Sequence[int], axes: Sequence[str], devices: Optional[Sequence] = None,
               dcn_shape: Sequence[int] = ()) -> jax.sharding.Mesh:
-  """A mesh over `devices` (default: all global devices) with Auto axis types, each
-  process's devices one block (see the module docstring).
+  """A mesh over `devices` (default: all global devices) with Auto axis types, in physical
+  order with each process's 'batch' positions together (see the module docstring).
 
   Linen's sharding annotations need Auto axes: jax.make_mesh defaults to Explicit, under
-  which the embedding lookup fails to trace. `dcn_shape[i]` slices go along axis i.
+  which the embedding lookup fails to trace. `dcn_shape[i]` slices go along axis i; on
+  machines without slices (CPU, GPU hosts) processes stand in for them.
   """
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(shape, len(devices))
@@ -97,63 +95,29 @@ def make_mesh(shape: Sequence[int], axes: Sequence[str], devices: Optional[Seque
   axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
   if len({d.process_index for d in devices}) == 1 and math.prod(dcn) == 1:
     return jax.make_mesh(shape, tuple(axes), devices=devices, axis_types=axis_types)
-  return jax.sharding.Mesh(device_layout(shape, dcn, devices), tuple(axes),
-                           axis_types=axis_types)
-
-
-def _groups(devices, key):
-  grouped = collections.defaultdict(list)
-  for d in devices:
-    grouped[key(d)].append(d)
-  return [grouped[k] for k in sorted(grouped)]
-
-
-def host_block(shape: Sequence[int], devices_per_host: int) -> Optional[tuple]:
-  """The block of `shape` one host's devices fill: the innermost axes first (as much of
-  the model axis as the host holds), then outward; None if no block fits exactly."""
-  block, left = [1] * len(shape), devices_per_host
-  for i in reversed(range(len(shape))):
-    block[i] = math.gcd(shape[i], left)
-    left //= block[i]
-  return tuple(block) if left == 1 else None
-
-
-def device_layout(shape: Sequence[int], dcn: Sequence[int], devices: Sequence) -> np.ndarray:
-  """The devices as an array of `shape`: slices, then processes, then devices (module
-  docstring). ConfigError where processes or slices cannot each hold whole blocks."""
-  slices = _groups(devices, lambda d: getattr(d, 'slice_index', 0))
+  slices = {getattr(d, 'slice_index', 0) for d in devices}
+  # No slices (CPU, GPU hosts): processes stand in for them where dcn_shape asks for some.
   by_process = len(slices) == 1 and math.prod(dcn) > 1
-  if by_process:  # No slices (CPU, GPU hosts): processes stand in for them.
-    slices = _groups(devices, lambda d: d.process_index)
-  if len(slices) != math.prod(dcn):
-    raise ConfigError(f'config.mesh.dcn_shape: {tuple(dcn)} makes {math.prod(dcn)} slices but '
-                      f'there are {len(slices)} {"processes" if by_process else "slices"}; give '
-                      f'slice counts whose product is {len(slices)}, e.g. '
-                      f'({len(slices)}, {", ".join(["1"] * (len(dcn) - 1))}) to put them on batch')
-  ici = tuple(s // d for s, d in zip(shape, dcn))
-  layout = np.empty(shape, dtype=object)
-  for slice_index, slice_devices in enumerate(slices):
-    hosts = _groups(slice_devices, lambda d: d.process_index)
-    sizes = {len(h) for h in hosts}
-    block = host_block(ici, sizes.pop()) if len(sizes) == 1 else None
-    if block is None:
-      raise ConfigError(
-          f'config.mesh.shape: {tuple(shape)} cannot give each of the {len(hosts)} processes '
-          f'({len(slice_devices) // len(hosts)} devices each) one block of rows; make the '
-          'model axis (or the batch axis) a multiple or a divisor of the devices per process')
-    grid = tuple(i // b for i, b in zip(ici, block))
-    corner = np.array(np.unravel_index(slice_index, dcn)) * ici
-    for host_index, host in enumerate(hosts):
-      start = corner + np.array(np.unravel_index(host_index, grid)) * block
-      where = tuple(slice(a, a + b) for a, b in zip(start, block))
-      layout[where] = _physical(block, host)
-  return layout
+  granules = len({d.process_index for d in devices}) if by_process else len(slices)
+  if granules != math.prod(dcn):
+    raise ConfigError(f'config.mesh.dcn_shape: {dcn} makes {math.prod(dcn)} slices but there '
+                      f'are {granules} {"processes" if by_process else "slices"}; give slice '
+                      f'counts whose product is {granules}, e.g. '
+                      f'({granules}, {", ".join(["1"] * (len(dcn) - 1))}) to put them on batch')
+  if granules == 1:
+    layout = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+  else:
+    ici = tuple(s // d for s, d in zip(shape, dcn))
+    layout = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=by_process,
+                                                  allow_split_physical_axes=True)
+  batch = list(axes).index('batch') if 'batch' in axes else 0
+  return jax.sharding.Mesh(batch_by_process(layout, batch), tuple(axes), axis_types=axis_types)
 
 
-def _physical(block, devices):
-  """One host's devices as an array of `block`, in the accelerator's physical order where
-  mesh_utils knows it (ring orders on TPU), else by id."""
-  try:
-    return mesh_utils.create_device_mesh(block, devices, allow_split_physical_axes=True)
-  except (ValueError, NotImplementedError, AssertionError):
-    return np.array(sorted(devices, key=lambda d: d.id), dtype=object).reshape(block)
+def batch_by_process(layout: np.ndarray, batch_axis: int) -> np.ndarray:
+  """`layout` with its positions along `batch_axis` sorted by the lowest process index (then
+  device id) that each holds: the same groups of devices, each process's positions together
+  wherever the layout allows it."""
+  slabs = np.moveaxis(layout, batch_axis, 0)
+  key = lambda i: (min(d.process_index for d in slabs[i].flat), min(d.id for d in slabs[i].flat))
+  return np.moveaxis(slabs[sorted(range(len(slabs)), key=key)], 0, batch_axis)
