@@ -1,16 +1,17 @@
 r"""Pod plans compiled here by the TPU compiler: what fits where, at what peak, how fast.
 
     pip install -e '.[tpu]'
-    python benchmarks/pod_plans.py                 # everything (about 1.5 hours on 2 cores)
+    python benchmarks/pod_plans.py                 # everything (about 1 hour on 2 cores)
     python benchmarks/pod_plans.py --only=plans    # or maxtext, cpu
 
 Three tables (and pod_plans.json):
-- plans: char_lm:100m, char_lm:1b and a Llama-3-8B-shaped decoder (abstract parameters, no
-  weights) on v5litepod-256, v5p-64, v5p-256, v6e-256 and 2 slices of v5litepod-256; data
+- plans: char_lm:1b and a Llama-3-8B-shaped decoder (abstract parameters, no weights) on
+  v5litepod-256, v5p-64 and 2 slices of v5litepod-256; data
   parallel (DP), FSDP, and tensor x data parallel (TP x DP, 4-way 'model'); at 8,192
-  tokens, one sequence per chip, as the experiment sets it (100m, 1b: dots_no_batch remat,
-  XLA attention; the 8B: none) and with full remat + splash attention. Each row: the
-  compiler's verdict, its peak per chip, compile seconds, the collectives' bytes per chip.
+  tokens, one sequence per chip, as the experiment sets it (dots_no_batch remat, XLA
+  attention) and with full remat + splash attention. Each row: the compiler's verdict, its
+  peak per chip, the sum of the compiled sizes (what a sum-based check would have said),
+  compile seconds, the collectives' bytes per chip.
 - cpu: the same configs on v5p-64's mesh planned by `--dry_run --cpu_devices=32` (the CPU
   compiler's layout and zoo's peak sum): what a plan without libtpu would have said.
 - maxtext: the Llama-2-7B shapes of issue #23 (FSDP over every chip, full remat, scanned
@@ -34,9 +35,8 @@ LLAMA3_8B = dict(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, mlp_
 LLAMA2_7B = dict(num_layers=32, d_model=4096, num_heads=32, mlp_dim=11008, vocab_size=32000,
                  positions='rotary', norm='rms', norm_epsilon=1e-5, mlp_activation='swiglu',
                  remat='full', scan_layers=True)
-MODELS = {'100m': ('100m', {}), '1b': ('1b', {}), 'llama3-8b': ('1b', LLAMA3_8B)}
-TARGETS = [('v5litepod-256', 1), ('v5p-64', 1), ('v5p-256', 1), ('v6e-256', 1),
-           ('v5litepod-256', 2)]
+MODELS = {'1b': ('1b', {}), 'llama3-8b': ('1b', LLAMA3_8B)}
+TARGETS = [('v5litepod-256', 1), ('v5p-64', 1), ('v5litepod-256', 2)]
 MESHES = {'DP': ((-1, 1), False), 'FSDP': ((-1, 1), True), 'TP x DP': ((-1, 4), False)}
 VARIANTS = {'as set': {}, 'remat full + splash': {'remat': 'full', 'attention': 'splash'}}
 SEQ = 8192
@@ -78,18 +78,28 @@ def plans(out):
           except Exception as e:  # pylint: disable=broad-except  # Reported as a row.
             row['fits'] = f'error: {str(e).splitlines()[0][:120]}'
             print(json.dumps(row), flush=True)
-            out.setdefault('plans', []).append(row)
+            _save_row(out, 'plans', row)
             continue
+          m = p['compiled_memory'] or {}
           row.update({'fits': 'yes' if p['fits'] else 'NO',
                  'peak_gib': round((p['compiled_memory'] or {}).get('peak', 0) / 2**30, 2) or (
                      round(p['refusal']['needed'] / 2**30, 2) if p['refusal'] and
                      p['refusal']['needed'] else None),
+                 'sum_gib': round((m['arguments'] + m['outputs'] - m['aliased']
+                                   + m['temporaries'] + m['code']) / 2**30, 2) if m else None,
                  'usable_gib': round(p['usable_bytes'] / 2**30, 2),
                  'compile_s': round(p['compile_s'], 1),
                  'plan_s': round(time.perf_counter() - t0, 1),
                  'collectives': _collectives(p['collectives'])})
-          print(json.dumps(row), flush=True)
-          out.setdefault('plans', []).append(row)
+          _save_row(out, 'plans', row)
+
+
+def _save_row(out, section, row):
+  """Prints the row and rewrites the JSON: an interrupted run keeps what it measured."""
+  print(json.dumps(row), flush=True)
+  out.setdefault(section, []).append(row)
+  with open(out['_path'], 'w', encoding='utf-8') as f:
+    json.dump({k: v for k, v in out.items() if k != '_path'}, f, indent=2)
 
 
 def cpu(out):
@@ -158,11 +168,12 @@ def main():
   if os.path.exists(args.json):
     with open(args.json, encoding='utf-8') as f:
       out = json.load(f)
+  out['_path'] = args.json
   for section in args.only.split(','):
     out.pop(section, None)
     {'plans': plans, 'cpu': cpu, 'maxtext': maxtext}[section](out)
     with open(args.json, 'w', encoding='utf-8') as f:
-      json.dump(out, f, indent=2)
+      json.dump({k: v for k, v in out.items() if k != '_path'}, f, indent=2)
   import tables  # pylint: disable=import-outside-toplevel  # benchmarks/tables.py
   for section in ('plans', 'cpu', 'maxtext'):
     if out.get(section):
