@@ -192,7 +192,8 @@ def test_init_from_takes_params_only(straight, tmp_path, devices):
 
 
 def test_readme_snippet_loads_params_without_zoo(straight):
-  with open(os.path.join(os.path.dirname(__file__), '..', 'README.md'), encoding='utf-8') as f:
+  with open(os.path.join(os.path.dirname(__file__), '..', 'docs', 'checkpoints.md'),
+            encoding='utf-8') as f:
     readme = f.read()
   snippet = re.search(r'<!-- load-params -->\s*```python\n(.*?)```', readme, re.S).group(1)
   assert 'zoo' not in snippet.replace('workdir', '')
