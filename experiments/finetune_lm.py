@@ -15,8 +15,8 @@ model trained by `bpe_lm:gpt2`, exported, imported and fine-tuned on the Python 
 `:smoke` (after the workdir): seconds.
 """
 import json
-import os
 
+from zoo import storage
 from zoo.config import base_config
 
 
@@ -25,8 +25,12 @@ def get_config(arg=None):
   if not workdir or variant not in ('', 'smoke'):
     raise ValueError(f'finetune_lm needs the imported workdir: --config=experiments/'
                      f'finetune_lm.py:WORKDIR[,smoke], got {arg!r}; known variant: smoke')
-  with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
-    imported = json.load(f)
+  found = storage.join(workdir, 'config.json')  # A local or gs:// workdir.
+  if not storage.is_file(found):
+    raise ValueError(f'{workdir} has no config.json: give the workdir of an imported model '
+                     '(python -m zoo.convert import --hf_dir=... --workdir=WORKDIR), '
+                     '--config=experiments/finetune_lm.py:WORKDIR[,smoke]')
+  imported = json.loads(storage.read_text(found))
   c = base_config()
   c.model.update(imported['model'])  # The imported architecture, exactly.
   c.checkpoint.init_from = workdir    # Its params; a fresh optimizer.

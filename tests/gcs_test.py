@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, experiment, load_config
+from conftest import REPO, experiment, load_config, read_metrics
 from zoo import train
 
 BUCKET = 'zoo-test'
@@ -174,3 +174,95 @@ def test_a_missing_bucket_is_one_line(gcs):
   assert result.stderr.strip().splitlines()[-1] == (
       'zoo: error: --workdir: bucket gs://no-such-bucket does not exist; create it (gcloud '
       'storage buckets create) or fix the name')
+
+
+def _command(module, *args):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=180, check=False)
+
+
+def test_convert_sample_and_export_through_a_bucket_workdir(gcs, tmp_path):
+  """Import into gs://, sample from it, export out of it: the same as through a local
+  workdir, and nothing written locally under a folder named `gs:`."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  torch.manual_seed(0)
+  hf_dir = tmp_path / 'hf'
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=257, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(
+          hf_dir)
+  tokenizer_lib.bytes_tokenizer().save(str(hf_dir / 'tokenizer.json'))
+  url, local = f'{gcs}/imported', tmp_path / 'local'
+  for workdir in (url, local):
+    imported = _command('zoo.convert', 'import', f'--hf_dir={hf_dir}', f'--workdir={workdir}',
+                        '--cpu_devices=2')
+    assert imported.returncode == 0, imported.stderr[-3000:]
+  assert not os.path.exists(os.path.join(REPO, 'gs:'))
+  assert json.loads(_read(f'{url}/config.json')) == json.loads((local / 'config.json').read_text())
+
+  args = ['--prompt=The ', '--num_tokens=12', '--temperature=0', '--format=json',
+          '--cpu_devices=2']
+  samples = [_command('zoo.sample', f'--workdir={w}', *args) for w in (url, local)]
+  assert all(s.returncode == 0 for s in samples), samples[0].stderr[-3000:]
+  assert samples[0].stdout == samples[1].stdout and json.loads(samples[0].stdout)['ids']
+
+  exported = _command('zoo.convert', 'export', f'--workdir={url}', f'--hf_dir={tmp_path / "out"}',
+                      '--cpu_devices=2')
+  assert exported.returncode == 0, exported.stderr[-3000:]
+  original, back = load_file(hf_dir / 'model.safetensors'), load_file(
+      tmp_path / 'out' / 'model.safetensors')
+  assert sorted(original) == sorted(back)
+  for name, tensor in original.items():
+    np.testing.assert_array_equal(tensor, back[name])
+  assert (tmp_path / 'out' / 'tokenizer.json').read_text() == (hf_dir / 'tokenizer.json').read_text()
+
+  refused = _command('zoo.convert', 'export', f'--workdir={url}', f'--hf_dir={gcs}/hf_out',
+                     '--cpu_devices=2')
+  assert refused.returncode == 1
+  assert refused.stderr.strip().splitlines()[-1].startswith(
+      f'zoo: error: --hf_dir: {gcs}/hf_out: a Hugging Face model directory is local')
+
+
+def test_token_dataset_prepared_into_and_trained_from_a_bucket(gcs, tmp_path, devices):
+  """`zoo.prepare text --output=gs://...` lands in the bucket (metadata.json last), and
+  training reads it there by byte ranges: the same losses as from a local copy, and the
+  bytes fetched are exactly the windows of this process's rows."""
+  del devices
+  corpus = tmp_path / 'corpus.jsonl'  # One document per line.
+  corpus.write_text(''.join(json.dumps({'text': f'line {i}: the quick brown fox {i * 7 % 13}. ' * 3})
+                            + '\n' for i in range(300)))
+  url, local = f'{gcs}/tokens', tmp_path / 'tokens'
+  for output in (url, local):
+    prepared = _command('zoo.prepare', 'text', f'--input={corpus}', f'--output={output}',
+                        '--tokenizer=bytes', '--val_fraction=0.1')
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+  assert not os.path.exists(os.path.join(REPO, 'gs:'))
+  again = _command('zoo.prepare', 'text', f'--input={corpus}', f'--output={url}',
+                   '--tokenizer=bytes')
+  assert again.returncode == 1 and 'exists; give --overwrite' in again.stderr
+
+  from zoo import data  # pylint: disable=import-outside-toplevel
+  overrides = {'data.name': 'tokens', 'data.seq_len': 16, 'train.steps': 4,
+               'train.log_every_steps': 1, 'eval.every_steps': 4, 'eval.max_batches': 1,
+               'checkpoint.every_steps': 4}
+  losses, read = {}, {}
+  for name, path in (('bucket', url), ('local', str(local))):
+    config = load_config('char_lm', **overrides, **{'data.path': path})
+    dataset = data.load(config.data, config.seed)
+    batch = dataset.train_batch(0, 8, slice(0, 8))
+    read[name] = batch
+    train.train_and_evaluate(config, str(tmp_path / f'run_{name}'))
+    losses[name] = [r['train/loss'] for r in read_metrics(tmp_path / f'run_{name}')
+                    if 'train/loss' in r]
+  np.testing.assert_array_equal(read['bucket']['inputs'], read['local']['inputs'])
+  assert losses['bucket'] == losses['local'] and len(losses['bucket']) == 4
+
+  from zoo.data import tokens  # pylint: disable=import-outside-toplevel
+  meta = tokens.read_metadata(url)
+  split = tokens.TokenSplit(url, 'train', meta)
+  split.windows(np.array([3, 500, 1000]), 17)
+  assert split.bytes_read() == 3 * 17 * np.dtype(meta['dtype']).itemsize  # Ranges, not shards.

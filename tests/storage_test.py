@@ -3,6 +3,7 @@ import contextlib
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -71,3 +72,34 @@ def test_disk_full_during_a_save_names_step_path_cause_and_loses_nothing(tmp_pat
     assert 'resuming from step 4' in again.stderr
     assert [r['step'] for r in read_metrics(workdir) if 'train/loss' in r] == list(range(1, 9))
     assert json.loads((workdir / 'config.json').read_text())['train']['steps'] == 8
+
+
+def _lm_args(workdir, steps=400):
+  return [f'--config={experiment("char_lm")}:smoke', f'--workdir={workdir}',
+          f'--config.train.steps={steps}', '--config.train.log_every_steps=1',
+          '--config.checkpoint.every_steps=1000']
+
+
+@pytest.mark.parametrize('leave', [150_000, 1_000], ids=['while-logging', 'at-the-start'])
+def test_full_disk_while_logging_ends_in_one_line_within_seconds(tmp_path, leave):
+  """tensorboardX's writer thread dies on ENOSPC, after which its every call and its close
+  block for good; the run must still end in one line, release the lease and resume."""
+  fs = tmp_path / 'fs'
+  workdir = fs / 'run'
+  with _small_filesystem(fs, '3m'):
+    _fill(fs, leave)
+    t0 = time.monotonic()
+    full = run_cli(*_lm_args(workdir), devices=2, timeout=120)
+    took = time.monotonic() - t0
+    assert full.returncode == 1, full.stderr[-3000:]
+    assert 'Traceback' not in full.stderr, full.stderr[-3000:]
+    line = full.stderr.strip().splitlines()[-1]
+    assert line.startswith(f'zoo: error: {workdir}'), line
+    assert line.endswith('No space left on device; free space, then run the same command again')
+    assert took < 60, took  # Start-up, training until the disk fills, a bounded close.
+    assert not (workdir / 'lease.json').exists()  # Released: a restart may take the workdir.
+
+    os.remove(fs / 'filler')
+    again = run_cli(*_lm_args(workdir, steps=20), devices=2, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [r['step'] for r in read_metrics(workdir) if 'train/loss' in r] == list(range(1, 21))

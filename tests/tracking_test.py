@@ -8,7 +8,7 @@ import struct
 
 import pytest
 
-from conftest import load_config, read_metrics
+from conftest import experiment, load_config, read_metrics, run_cli
 from zoo import train
 from zoo.errors import ConfigError
 
@@ -107,3 +107,25 @@ def test_wandb_settings_are_checked(tmp_path, devices):
     train.train_and_evaluate(load_config('mlp_digits', **{'metrics.wandb_mode': 'loud'}),
                              str(tmp_path / 'run'))
   assert not (tmp_path / 'run').exists()
+
+
+def test_wandb_environment_is_honoured_and_no_login_is_one_line(tmp_path, devices, monkeypatch):
+  """WANDB_MODE and WANDB_DIR work as W&B documents them when the config leaves the mode
+  unset; an online run without credentials is refused before anything is written."""
+  del devices
+  for name in ('WANDB_API_KEY', 'WANDB_IDENTITY_TOKEN_FILE', 'WANDB_MODE', 'WANDB_DIR'):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv('NETRC', str(tmp_path / 'no-netrc'))
+  project = {'metrics.wandb_project': 'zoo-test', 'train.steps': 2, 'eval.every_steps': 2}
+  with pytest.raises(ConfigError, match=r'^config\.metrics\.wandb_project: zoo-test: W&B has no '
+                                        r'login here .* set WANDB_MODE=offline'):
+    train.train_and_evaluate(load_config('mlp_digits', **project), str(tmp_path / 'refused'))
+  assert not (tmp_path / 'refused').exists()
+
+  monkeypatch.setenv('WANDB_MODE', 'offline')  # W&B reads these at start: a new process.
+  monkeypatch.setenv('WANDB_DIR', str(tmp_path / 'wandb_dir'))
+  run = run_cli(f'--config={experiment("mlp_digits")}:smoke', f'--workdir={tmp_path / "run"}',
+                *(f'--config.{k}={v}' for k, v in project.items()))
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert glob.glob(str(tmp_path / 'wandb_dir' / 'wandb' / 'offline-run-*' / 'run-*.wandb'))
+  assert not (tmp_path / 'run' / 'wandb').exists()

@@ -1,23 +1,25 @@
 """The config every experiment starts from, and its validation before anything compiles.
 
-Public keys (a stable contract, see README): model.name and the model's fields,
+Public keys (a stable contract, see docs/configuration.md): model.name and the model's fields,
 data.name, mesh.axes, mesh.shape, logical_axis_rules, train.steps, train.batch_size,
 seed, optimizer.*, eval.every_steps.
 """
 import importlib.util
 import math
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import ml_collections
 
-from zoo import data, models, optim, sharding, storage, tasks
+from zoo import data, metrics, models, optim, sharding, storage, tasks
 from zoo import mesh as mesh_lib
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError, fail
 
-WANDB_MODES = ('online', 'offline', 'disabled')
+WANDB_MODES = ('', 'online', 'offline', 'disabled')
+LAYER_FIELDS = ('num_layers', 'num_encoder_layers', 'num_decoder_layers', 'stage_sizes')
+MAX_LAYERS = 1024
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -59,7 +61,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.metrics = ml_collections.ConfigDict()  # metrics.jsonl and TensorBoard always; W&B if set.
   c.metrics.wandb_project = ''            # A W&B project: rows, config, samples (`.[wandb]`).
   c.metrics.wandb_entity = ''             # W&B team or user ('': the default).
-  c.metrics.wandb_mode = 'online'         # online, offline (`wandb sync` later) or disabled.
+  c.metrics.wandb_mode = ''               # online, offline (`wandb sync` later), disabled; '':
+                                          # W&B's own WANDB_MODE, else online.
   c.profile = ml_collections.ConfigDict()
   c.profile.steps = ()                    # (a, b): trace steps [a, b) into workdir/profile.
   c.perf = ml_collections.ConfigDict()
@@ -80,12 +83,60 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def load_experiment(path: str, arg: Optional[str] = None) -> ml_collections.ConfigDict:
-  """`get_config(arg)` of an experiment file (what --config=PATH:ARG loads), for scripts."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+  """`get_config(arg)` of an experiment file (what --config=PATH:ARG loads). A file that is
+  missing, does not parse, or whose get_config raises is a ConfigError naming it and where."""
+  name = f'{path}:{arg}' if arg is not None else path
+  if not os.path.isfile(path):
+    known = sorted(f for f in os.listdir(os.path.dirname(path) or '.') if f.endswith('.py')) if (
+        os.path.isdir(os.path.dirname(path) or '.')) else []
+    raise ConfigError(f'--config: {path}: no such experiment file' + (
+        f'; {os.path.dirname(path) or "."}/ has {", ".join(known)}' if known else ''))
+  if not path.endswith('.py'):
+    raise ConfigError(f'--config: {path}: an experiment file is Python source ending in .py')
+  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3] or 'experiment', path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config(arg)
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise ConfigError(f'--config: {path}, line {e.lineno}: {e.msg}; fix the file') from None
+  except Exception as e:  # pylint: disable=broad-except  # The user's file: any error.
+    raise ConfigError(f'--config: {path}: importing it raised {_where(e, path)}') from None
+  if not callable(getattr(module, 'get_config', None)):
+    raise ConfigError(f'--config: {path} defines no get_config(arg); an experiment file returns '
+                      'its ConfigDict from get_config (see experiments/)')
+  try:
+    config = module.get_config(arg)
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError(f'--config: {name}: get_config raised {_where(e, path)}') from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f'--config: {name}: get_config returned {type(config).__name__}, not an '
+                      'ml_collections.ConfigDict (start from zoo.config.base_config())')
+  return config
+
+
+def _where(e: Exception, path: str) -> str:
+  """`Type: message (file, line N)`: the exception and its deepest frame in `path`."""
+  import traceback  # pylint: disable=import-outside-toplevel
+  frames = [f for f in traceback.extract_tb(e.__traceback__)
+            if os.path.abspath(f.filename) == os.path.abspath(path)]
+  text = (str(e).strip().splitlines() or [''])[0]
+  return f'{type(e).__name__}: {text}' + (f' (line {frames[-1].lineno})' if frames else '')
+
+
+def from_flag(holder: Any) -> ml_collections.ConfigDict:
+  """The --config flag's ConfigDict. ml_collections defers a file's error to the first
+  use of the config and hides its cause: the file is loaded again here to name it."""
+  try:
+    value = holder.value
+    error = None if isinstance(value, ml_collections.ConfigDict) else 'the file did not load'
+  except Exception as e:  # pylint: disable=broad-except
+    error = (str(e).strip().splitlines() or [type(e).__name__])[0]
+  if error is None:
+    return value
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  path, _, arg = flags.FLAGS[holder.name].config_filename.partition(':')
+  load_experiment(path, arg or None)  # Raises the ConfigError that names the problem.
+  raise ConfigError(f'--config: {error}')
 
 
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
@@ -111,6 +162,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     values = value if isinstance(value, (tuple, list)) else (value,)
     if any(isinstance(v, int) and not isinstance(v, bool) and v <= 0 for v in values):
       fail(f'model.{key}', f'sizes must be positive, got {value}')
+    if key in LAYER_FIELDS and sum(values) > MAX_LAYERS:  # Tracing them would take hours.
+      fail(f'model.{key}', f'{value}: more than the {MAX_LAYERS} layers zoo builds (the deepest '
+           'published Transformers have ~130); lower it')
   if 'seq_len' in config.data and config.data.seq_len <= 0:
     fail('data.seq_len', f'must be positive, got {config.data.seq_len}')
   source.check_config(config.data)
@@ -137,9 +191,14 @@ def _validate_run(config):
   """Seed, profiling, prefetch, peak, eval sizes and W&B."""
   if config.metrics.wandb_mode not in WANDB_MODES:
     fail('metrics.wandb_mode', f'unknown mode {config.metrics.wandb_mode!r}; known: '
-         f'{", ".join(WANDB_MODES)}')
+         f'{", ".join(m for m in WANDB_MODES if m)}, or \'\' (W&B\'s own WANDB_MODE)')
   if config.metrics.wandb_project and importlib.util.find_spec('wandb') is None:
     fail('metrics.wandb_project', "needs the wandb package: pip install -e '.[wandb]'")
+  if (config.metrics.wandb_project and jax.process_index() == 0  # Only process 0 logs to W&B.
+      and not metrics.wandb_logged_in(config.metrics.wandb_mode)):
+    fail('metrics.wandb_project', f'{config.metrics.wandb_project}: W&B has no login here (no '
+         'WANDB_API_KEY, no `wandb login`); log in, or set WANDB_MODE=offline (sync later with '
+         '`wandb sync`) or metrics.wandb_mode=offline')
   steps = tuple(config.profile.steps)
   if steps and not (len(steps) == 2 and 0 <= steps[0] < steps[1] <= config.train.steps):
     fail('profile.steps', f'{steps} must be () or (a, b) with 0 <= a < b <= train.steps='

@@ -22,18 +22,15 @@ import dataclasses
 import json
 import math
 import os
-import shutil
-import sys
 from typing import Any
 
-from absl import app
 from absl import flags
 from absl import logging
 import jax
 import ml_collections
 import numpy as np
 
-from zoo import checkpoint, distributed, hf, models, sharding
+from zoo import checkpoint, hf, models, sharding, shell, storage
 from zoo import mesh as mesh_lib
 from zoo import config as cfg
 from zoo import setup as setup_lib
@@ -55,7 +52,6 @@ def define_flags() -> None:
                       "Empty: every device on 'model' (axes the params cannot split over are "
                       'replicated).')
   flags.DEFINE_float('max_shard_gib', 4.0, 'export: the largest safetensors file.')
-  flags.DEFINE_integer('cpu_devices', None, 'Run on this many emulated CPU devices.')
   flags.mark_flags_as_required(['hf_dir', 'workdir'])
 
 
@@ -63,8 +59,17 @@ WEIGHTS, INDEX = 'model.safetensors', 'model.safetensors.index.json'
 TOKENIZER = workdir_lib.TOKENIZER
 
 
+def _check_local(hf_dir: str) -> None:
+  """Hugging Face directories are local: transformers and safetensors read and write files."""
+  if storage.is_remote(hf_dir):
+    raise ConfigError(f'--hf_dir: {hf_dir}: a Hugging Face model directory is local (transformers '
+                      'and safetensors read files); copy it here first (gcloud storage cp -r), '
+                      'or export here and copy it up. The zoo --workdir may be in a bucket')
+
+
 def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, str]]:
   """(config.json, {tensor name: its safetensors file}); ConfigError for a missing piece."""
+  _check_local(hf_dir)
   if not os.path.isdir(hf_dir):
     raise ConfigError(f'--hf_dir: {hf_dir} is not a directory; give a Hugging Face model '
                       'directory (config.json and model.safetensors)')
@@ -207,7 +212,7 @@ def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.S
                         f'has {fields["vocab_size"]} rows (vocab_size); give the tokenizer that '
                         'goes with the model')
   cfg.check_workdir(workdir)
-  if os.path.isdir(os.path.join(workdir, 'checkpoints')):
+  if storage.is_dir(storage.join(workdir, 'checkpoints')):
     raise ConfigError(f'--workdir: {workdir} already has checkpoints; import into a new workdir')
   config = zoo_config(arch, fields)
   model_fields, example = _example(arch, fields)
@@ -230,14 +235,14 @@ def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.S
   tree = jax.tree_util.tree_unflatten(
       jax.tree.structure(setup.abstract_state().params),
       [params[p] for p in _flat(setup.abstract_state().params)])
-  os.makedirs(workdir, exist_ok=True)
-  with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
-    f.write(config.to_json_best_effort(indent=2))
-  with open(os.path.join(workdir, 'imported.json'), 'w', encoding='utf-8') as f:
-    json.dump({'hf_dir': os.path.abspath(hf_dir), 'model_type': model_type,
-               'hf_config': hf_config}, f, indent=2)
+  storage.path(workdir).mkdir(parents=True, exist_ok=True)  # Local or gs://, one way.
+  storage.write_text(storage.join(workdir, 'config.json'), config.to_json_best_effort(indent=2))
+  storage.write_text(storage.join(workdir, 'imported.json'), json.dumps(
+      {'hf_dir': os.path.abspath(hf_dir), 'model_type': model_type, 'hf_config': hf_config},
+      indent=2))
   if arch.task == 'lm':
-    shutil.copy(tokenizer_file, os.path.join(workdir, TOKENIZER))
+    with open(tokenizer_file, encoding='utf-8') as f:
+      storage.write_text(storage.join(workdir, TOKENIZER), f.read())
   # Uncompressed: zstd would hold a second copy of the model in host memory until commit.
   manager = checkpoint.make_manager(workdir, keep=1, use_async=False, compress=False)
   step = jax.device_put(np.zeros((), np.int32),
@@ -261,6 +266,7 @@ def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30) ->
                       f'matches none of the layouts export writes ({", ".join(hf.ARCHITECTURES)}: '
                       'see zoo.hf); import one of those to fine-tune it')
   model_type, arch = found
+  _check_local(hf_dir)
   if os.path.exists(hf_dir) and os.listdir(hf_dir):
     raise ConfigError(f'--hf_dir: {hf_dir} exists and is not empty; give a new directory')
   tokenizer_file = workdir_lib.tokenizer_file(workdir, config)
@@ -293,7 +299,8 @@ def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30) ->
   with open(os.path.join(hf_dir, 'config.json'), 'w', encoding='utf-8') as f:
     json.dump(hf_config, f, indent=2)
   if tokenizer_file:
-    shutil.copy(tokenizer_file, os.path.join(hf_dir, TOKENIZER))
+    with open(os.path.join(hf_dir, TOKENIZER), 'w', encoding='utf-8') as f:
+      f.write(storage.read_text(tokenizer_file))
   logging.info('exported step %d of %s as %s (%s) to %s', step, workdir, arch.hf_class,
                model_type, hf_dir)
   return model_type
@@ -332,21 +339,16 @@ def _write_safetensors(tensors: dict, hf_dir: str, max_bytes: int, save_file) ->
 
 def main(argv: list[str]) -> None:
   if len(argv) != 2 or argv[1] not in ('import', 'export'):
-    sys.exit('zoo: error: give import or export: python -m zoo.convert import --hf_dir=DIR '
-             '--workdir=DIR, or export --workdir=DIR --hf_dir=DIR')
-  try:
-    distributed.initialize(cpu_devices=FLAGS.cpu_devices)
-    if argv[1] == 'import':
-      import_model(FLAGS.hf_dir, FLAGS.workdir, FLAGS.mesh_shape)
-    else:
-      export_model(FLAGS.workdir, FLAGS.hf_dir, int(FLAGS.max_shard_gib * 2**30))
-  except ZooError as e:
-    sys.exit(f'zoo: error: {e}')
-  except Exception:  # pylint: disable=broad-except
-    logging.exception('zoo: unexpected error')
-    sys.exit('zoo: error: unexpected error, traceback above')
+    raise ZooError('give import or export: python -m zoo.convert import --hf_dir=DIR '
+                   '--workdir=DIR, or export --workdir=DIR --hf_dir=DIR')
+  shell.start_devices(per_core=False)  # One CPU device unless --cpu_devices, as before.
+  if argv[1] == 'import':
+    import_model(FLAGS.hf_dir, FLAGS.workdir, FLAGS.mesh_shape)
+  else:
+    export_model(FLAGS.workdir, FLAGS.hf_dir, int(FLAGS.max_shard_gib * 2**30))
 
 
 if __name__ == '__main__':
+  shell.define_flags()
   define_flags()
-  app.run(main)
+  shell.run(main)

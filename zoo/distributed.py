@@ -1,7 +1,7 @@
 """Joining a multi-process JAX job: explicit flags, an auto-detected cluster, or one process.
 
 Must run before any other JAX work. Every process then runs the same program on the
-same global mesh; see README "Several processes".
+same global mesh; see docs/pods.md "Several processes".
 """
 import math
 import os

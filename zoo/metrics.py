@@ -3,18 +3,91 @@ import html
 import json
 import logging as std_logging
 import os
+import queue
 import sys
 import sysconfig
+import threading
 import uuid
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from absl import logging
 
 from zoo import storage
+from zoo.errors import ZooError
 
 _ZOO_DIR = os.path.dirname(os.path.abspath(__file__))
 _STDLIB = sysconfig.get_paths()['stdlib']
+CLOSE_SECONDS = 10.0  # The longest a metrics writer (TensorBoard, W&B) may take to close.
+_THREAD_FAULTS: list = []  # Errors that ended a writer thread (zoo's or a library's).
+
+
+def _record_thread_faults() -> None:
+  """A library writer thread that dies (tensorboardX's event writer on a full disk) would
+  print a traceback and leave the run writing into a void: its error is kept instead, shown
+  as one warning line, and raised by the next MetricWriter.write."""
+  if getattr(threading.excepthook, 'zoo', False):
+    return
+  previous = threading.excepthook
+  def hook(args):
+    writer = type(args.thread).__name__ == '_EventLoggerThread' or (
+        args.thread is not None and args.thread.name.startswith('zoo-'))
+    if not (writer and isinstance(args.exc_value, OSError)):
+      previous(args)
+      return
+    _THREAD_FAULTS.append(args.exc_value)
+    logging.warning('writer thread %s stopped: %s', type(args.thread).__name__, args.exc_value)
+  hook.zoo = True
+  threading.excepthook = hook
+
+
+def bounded(close: Callable[[], None], what: str, seconds: Optional[float] = None) -> None:
+  """Runs `close()` and waits for it at most `seconds`: a writer that cannot finish (its
+  storage full or gone, its server unreachable) is abandoned with a warning, never waited
+  on for good. Its error, if it ends in time with one, is raised here."""
+  seconds = CLOSE_SECONDS if seconds is None else seconds
+  errors = []
+  def run():
+    try:
+      close()
+    except BaseException as e:  # pylint: disable=broad-except  # Raised on the caller's thread.
+      errors.append(e)
+  thread = threading.Thread(target=run, name=f'zoo-close-{what}', daemon=True)
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    logging.warning('%s did not close within %.0f s: abandoned (its last rows may be missing)',
+                    what, seconds)
+  elif errors:
+    raise errors[0]
+
+
+class _OffThread:
+  """A writer whose calls run on a thread of their own, in order: a library writer that
+  blocks (tensorboardX's, once its thread died on a full disk, blocks every later call and
+  its close for good) never blocks the run. An error it raises comes back from the next
+  call; close() waits at most CLOSE_SECONDS."""
+
+  def __init__(self, writer: Any, name: str):
+    self._writer, self._name, self._calls = writer, name, queue.SimpleQueue()
+    self._thread = threading.Thread(target=self._serve, name=f'zoo-{name}', daemon=True)
+    self._thread.start()
+
+  def _serve(self) -> None:
+    while (call := self._calls.get()) is not None:
+      method, args, kwargs = call
+      try:
+        getattr(self._writer, method)(*args, **kwargs)
+      except Exception as e:  # pylint: disable=broad-except  # Raised by the next call.
+        _THREAD_FAULTS.append(e)
+        return
+
+  def __call__(self, method: str, *args, **kwargs) -> None:
+    self._calls.put((method, args, kwargs))
+
+  def close(self) -> None:
+    self._calls.put(None)
+    bounded(lambda: (self._thread.join(), self._writer.close()), self._name)
 
 
 def _summary_writer_class() -> Any:
@@ -44,6 +117,7 @@ class MetricWriter:
                wandb: Optional['WandbWriter'] = None):
     self._active = active
     self._wandb = wandb if active else None
+    self._workdir = workdir
     if active:
       summary_writer = _summary_writer_class()
       self._path = path = storage.join(workdir, 'metrics.jsonl')
@@ -58,39 +132,62 @@ class MetricWriter:
       # A bucket object cannot be appended to: there the file is rewritten whole per row.
       self._rows = kept if storage.is_remote(path) else None
       self._jsonl = None if storage.is_remote(path) else open(path, 'a', encoding='utf-8')
-      self._tb = summary_writer(logdir=workdir, flush_secs=10, purge_step=start_step + 1)
+      _record_thread_faults()
+      _THREAD_FAULTS.clear()  # This run's faults only.
+      self._tb = _OffThread(summary_writer(logdir=workdir, flush_secs=10,
+                                           purge_step=start_step + 1), 'TensorBoard events')
       if self._wandb:
         self._wandb.start(logged)
 
   def write(self, step: int, scalars: dict) -> None:
     if not self._active:
       return
+    if _THREAD_FAULTS:  # A writer thread died: the run ends with its error.
+      raise storage.named(_THREAD_FAULTS[0], f'{self._workdir} (TensorBoard events)')
     row = {'step': int(step), **{k: float(v) for k, v in scalars.items()}}
-    if self._jsonl:
-      self._jsonl.write(json.dumps(row) + '\n')
-      self._jsonl.flush()
-    else:
-      self._rows.append(json.dumps(row) + '\n')
-      storage.write_text(self._path, ''.join(self._rows))
+    try:
+      if self._jsonl:
+        self._jsonl.write(json.dumps(row) + '\n')
+        self._jsonl.flush()
+      else:
+        self._rows.append(json.dumps(row) + '\n')
+        storage.write_text(self._path, ''.join(self._rows))
+    except OSError as e:
+      raise storage.named(e, self._path) from None
     for name, value in row.items():
       if name != 'step':
-        self._tb.add_scalar(name, value, global_step=row['step'])
+        self._tb('add_scalar', name, value, global_step=row['step'])
     if self._wandb:
       self._wandb.write(row['step'], {k: v for k, v in row.items() if k != 'step'})
 
   def text(self, step: int, name: str, text: str) -> None:
     if self._active:
-      self._tb.add_text(name, text, global_step=int(step))
+      self._tb('add_text', name, text, global_step=int(step))
       if self._wandb:
         self._wandb.text(int(step), name, text)
 
+  def _named_close(self, close: Callable[[], None]) -> None:
+    try:
+      close()
+    except OSError as e:
+      raise storage.named(e, self._workdir) from None
+
   def close(self) -> None:
-    if self._active:
-      if self._jsonl:
-        self._jsonl.close()
-      self._tb.close()
-      if self._wandb:
-        self._wandb.close()
+    """Closes every writer, each within CLOSE_SECONDS; the first error is raised after."""
+    if not self._active:
+      return
+    closers = [self._tb.close] + ([self._jsonl.close] if self._jsonl else [])
+    closers = [lambda c=c: self._named_close(c) for c in closers]
+    closers += [lambda: bounded(self._wandb.close, 'W&B')] if self._wandb else []
+    errors = []
+    for close in closers:
+      try:
+        close()
+      except Exception as e:  # pylint: disable=broad-except  # Close the others first.
+        errors.append(e)
+    errors += [storage.named(e, f'{self._workdir} (TensorBoard events)') for e in _THREAD_FAULTS]
+    if errors:  # A writer that died after the last row still fails the run.
+      raise errors[0]
 
 
 class WandbWriter:
@@ -100,12 +197,15 @@ class WandbWriter:
   W&B run. W&B keeps what it was sent and takes steps only in increasing order, so a resumed
   run sends only steps beyond the last one its predecessor logged (the rows in between are
   the same numbers: batches and randomness are functions of (seed, step)). `mode` is W&B's
-  own: 'online', 'offline' (synced later with `wandb sync`) or 'disabled'.
+  own: 'online', 'offline' (synced later with `wandb sync`) or 'disabled'; '' takes W&B's
+  WANDB_MODE (else online). WANDB_DIR, if set, is where W&B keeps its files (else the
+  workdir, when it is local).
   """
 
-  def __init__(self, workdir: str, project: str, config: dict, mode: str = 'online',
+  def __init__(self, workdir: str, project: str, config: dict, mode: str = '',
                entity: str = ''):
-    self.workdir, self.project, self.config, self.mode = workdir, project, config, mode
+    self.workdir, self.project, self.config = workdir, project, config
+    self.mode = wandb_mode(mode)
     self.entity = entity or None
     self.run, self.after = None, 0
 
@@ -119,10 +219,16 @@ class WandbWriter:
     else:  # W&B newly turned on: nothing was sent yet.
       run_id = uuid.uuid4().hex[:12]
       write_json(self.workdir, 'wandb_run.json', {'id': run_id, 'project': self.project})
-    self.run = wandb.init(project=self.project, entity=self.entity, id=run_id, resume='allow',
-                          dir=None if storage.is_remote(self.workdir) else self.workdir,
-                          mode=self.mode, config=self.config,
-                          settings=wandb.Settings(console='off', silent=True))
+    local = not storage.is_remote(self.workdir) and not os.environ.get('WANDB_DIR')
+    try:
+      self.run = wandb.init(project=self.project, entity=self.entity, id=run_id,
+                            resume='allow', dir=self.workdir if local else None, mode=self.mode,
+                            config=self.config, settings=wandb.Settings(console='off',
+                                                                        silent=True))
+    except (wandb.errors.Error, OSError) as e:  # No login, no network, a bad project name.
+      raise ZooError(f'metrics.wandb_project: W&B refused the run: {type(e).__name__}: '
+                     f'{(str(e).strip().splitlines() or [""])[0]}; check the login and the '
+                     'project, or set WANDB_MODE=offline') from None
     logging.info('W&B run %s (%s, project %s)%s', run_id, self.mode, self.project,
                  f', continuing after step {self.after}' if self.after else '')
 
@@ -137,6 +243,28 @@ class WandbWriter:
 
   def close(self) -> None:
     self.run.finish()
+
+
+def wandb_mode(mode: str = '') -> str:
+  """The W&B mode a run uses: the config's, else W&B's own WANDB_MODE, else online."""
+  return mode or os.environ.get('WANDB_MODE') or 'online'
+
+
+def wandb_logged_in(mode: str = '') -> bool:
+  """Whether W&B would find credentials without asking (an online run needs them): W&B's
+  documented places, WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, or the netrc entry that
+  `wandb login` writes for its host (WANDB_BASE_URL)."""
+  if wandb_mode(mode) != 'online' or os.environ.get('WANDB_API_KEY') or os.environ.get(
+      'WANDB_IDENTITY_TOKEN_FILE'):
+    return True
+  import netrc  # pylint: disable=import-outside-toplevel
+  import urllib.parse  # pylint: disable=import-outside-toplevel
+  host = urllib.parse.urlparse(os.environ.get('WANDB_BASE_URL') or 'https://api.wandb.ai').hostname
+  path = os.environ.get('NETRC') or os.path.expanduser('~/.netrc')
+  try:
+    return bool(host) and netrc.netrc(path).authenticators(host) is not None
+  except (OSError, netrc.NetrcParseError):
+    return False
 
 
 def tracker(config: Any, workdir: str) -> Optional[WandbWriter]:

@@ -19,11 +19,11 @@ import sys
 import time
 from typing import Callable
 
-from absl import app
 from absl import flags
 from absl import logging
 
-from zoo.data import atomic
+from zoo import shell, storage
+from zoo.data import atomic, dataset
 from zoo.errors import ConfigError, ZooError
 
 _INPUT = flags.DEFINE_multi_string(
@@ -121,6 +121,9 @@ def run(kind: str) -> None:
                       f'{_VAL_FRACTION.value}' + ('; a token dataset needs a validation split'
                                                   if kind == 'text' else ''))
   t0 = time.perf_counter()
+  if storage.is_remote(_OUTPUT.value):
+    _run_to_bucket(kind, _OUTPUT.value, t0)
+    return
   path = atomic.check_output(_OUTPUT.value, _OVERWRITE.value)
   write = (text_writer if kind == 'text' else images_writer)(_INPUT.value)
   partial = f'{path}.partial-{os.getpid()}'
@@ -140,23 +143,61 @@ def run(kind: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _run_to_bucket(kind: str, url: str, t0: float) -> None:
+  """A token dataset written here, then copied into the bucket with its metadata.json last:
+  until that lands, training refuses the prefix as unfinished. (Record datasets are read
+  through a gcsfuse mount, so they are written there as to a local path.)"""
+  import contextlib  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  if kind != 'text':
+    raise ConfigError(f'--output: {url}: record datasets are read through a local path; mount '
+                      'the bucket with gcsfuse and give the mounted path as --output')
+  storage.check_bucket(url, '--output')
+  if len(url.rstrip('/').split('/')) < 4:
+    raise ConfigError(f'--output: {url} is a whole bucket; give a path inside it '
+                      '(gs://BUCKET/DATASET)')
+  meta = storage.join(url, dataset.METADATA)
+  if storage.path(url).exists():
+    if not _OVERWRITE.value:
+      raise ConfigError(f'--output: {url} exists; give --overwrite to replace it, or another '
+                        '--output')
+    try:
+      ours = json.loads(storage.read_text(meta)).get('format', '').startswith('zoo.')
+    except (OSError, ValueError):
+      ours = False
+    if not ours:
+      raise ConfigError(f'--output: {url} is not a dataset that zoo.prepare wrote (no zoo '
+                        'metadata.json), so --overwrite will not replace it; pick another --output')
+  write = text_writer(_INPUT.value)
+  with tempfile.TemporaryDirectory(prefix='zoo-prepare-') as local:  # $TMPDIR: room for it.
+    summary = write(local)
+    try:
+      if storage.is_file(meta):  # Unfinished from here on: training refuses it.
+        storage.path(meta).unlink()
+      storage.remove_tree(url)
+      storage.upload_tree(local, url, last=dataset.METADATA)
+    except BaseException:
+      with contextlib.suppress(Exception):  # Best effort: without metadata.json it is refused.
+        storage.remove_tree(url)
+      raise ZooError(f'--output: {url}: the copy into the bucket did not finish; what it wrote '
+                     'was removed (or is refused by training without its metadata.json). Run '
+                     'the same command again with --overwrite') from None
+  logging.info('wrote %s in %.1f s:\n%s', url, time.perf_counter() - t0, summary)
+
+
 def main(argv: list[str]) -> None:
   if len(argv) != 2:
-    sys.exit(f'zoo: error: give one kind, text or images: python -m zoo.prepare text|images '
-             f'--input=... --output=... (got {argv[1:]})')
+    raise ZooError(f'give one kind, text or images: python -m zoo.prepare text|images '
+                   f'--input=... --output=... (got {argv[1:]})')
   try:
     run(argv[1])
-  except ZooError as e:
-    sys.exit(f'zoo: error: {e}')
-  except KeyboardInterrupt:
-    sys.exit('zoo: error: interrupted; nothing was written')
   except OSError as e:  # A full disk, a permission taken away, a file gone meanwhile.
-    sys.exit(f'zoo: error: {e.filename or "--output"}: {e.strerror or e}; nothing was written')
-  except Exception as e:  # pylint: disable=broad-except
-    logging.exception('zoo.prepare failed')
-    sys.exit(f'zoo: error: unexpected error ({type(e).__name__}: {str(e)[:200]}), traceback '
-             'above; nothing was written')
+    raise ZooError(f'{e.filename or "--output"}: {e.strerror or e}; nothing was written') from None
+  except KeyboardInterrupt:
+    raise ZooError('interrupted; nothing was written') from None
 
 
 if __name__ == '__main__':
-  app.run(main)
+  shell.define_flags(devices=False)
+  shell.run(main)

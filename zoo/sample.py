@@ -22,17 +22,15 @@ way, sampling runs on one device. The same --seed gives the same text on any mes
 import functools
 import json
 import math
-import sys
 from typing import Any, Sequence
 
-from absl import app
 from absl import flags
 from absl import logging
 import jax
 import ml_collections
 import numpy as np
 
-from zoo import checkpoint, decode, distributed, sharding
+from zoo import checkpoint, decode, sharding, shell
 from zoo import mesh as mesh_lib
 from zoo import setup as setup_lib
 from zoo import workdir as workdir_lib
@@ -64,7 +62,6 @@ def define_flags() -> None:
   flags.DEFINE_string('mesh_shape', '', "Mesh over the run's mesh axes, e.g. '1,8' or '-1,1'. "
                       "Empty: every device on 'model' if the parameters split that way, else one "
                       'device.')
-  flags.DEFINE_integer('cpu_devices', None, 'Run on this many emulated CPU devices.')
   flags.mark_flags_as_required(['workdir'])
 
 
@@ -218,19 +215,12 @@ def _sampling_setup(config: ml_collections.ConfigDict, dataset: Dataset, mesh_sh
 
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
-    sys.exit(f'zoo: error: unexpected arguments {argv[1:]}')
-  try:
-    distributed.initialize(cpu_devices=FLAGS.cpu_devices)
-    logging.info('JAX %s, %d devices: %s', jax.__version__, jax.device_count(), jax.devices())
-    num_tokens = FLAGS.num_chars if FLAGS.num_tokens is None else FLAGS.num_tokens
-    samples = generate(FLAGS.workdir, FLAGS.prompt, num_tokens, FLAGS.temperature,
-                       FLAGS.top_k, FLAGS.top_p, FLAGS.num_samples, FLAGS.seed,
-                       FLAGS.mesh_shape, FLAGS.decoding)
-  except ZooError as e:
-    sys.exit(f'zoo: error: {e}')
-  except Exception:  # pylint: disable=broad-except
-    logging.exception('zoo: unexpected error')
-    sys.exit('zoo: error: unexpected error, traceback above')
+    raise ZooError(f'unexpected arguments {argv[1:]}')
+  shell.start_devices(per_core=False)  # One CPU device unless --cpu_devices, as before.
+  num_tokens = FLAGS.num_chars if FLAGS.num_tokens is None else FLAGS.num_tokens
+  samples = generate(FLAGS.workdir, FLAGS.prompt, num_tokens, FLAGS.temperature,
+                     FLAGS.top_k, FLAGS.top_p, FLAGS.num_samples, FLAGS.seed,
+                     FLAGS.mesh_shape, FLAGS.decoding)
   if jax.process_index() == 0:
     for i, s in enumerate(samples):
       if FLAGS.format == 'json':
@@ -242,5 +232,6 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == '__main__':
+  shell.define_flags()
   define_flags()
-  app.run(main)
+  shell.run(main)

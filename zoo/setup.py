@@ -9,6 +9,7 @@ which a logical constraint silently does nothing.
 """
 import contextlib
 import dataclasses
+import math
 from typing import Any, Callable, Optional
 
 import flax.linen as nn
@@ -22,6 +23,7 @@ from zoo import data, models, optim, sharding, steps, tasks
 from zoo import mesh as mesh_lib
 from zoo.data import feed
 from zoo.data.dataset import Dataset
+from zoo.errors import ConfigError
 from zoo.models.family import ModelFamily
 
 
@@ -115,4 +117,81 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
     cfg.validate_shardings(setup.param_table(), setup.mesh, setup.rules)
   for size in (config.train.batch_size, config.eval.batch_size):
     feed.rows_by_process(setup.batch_sharding, size)  # One block each, or ConfigError.
+  if not plan:
+    check_memory(setup)
   return setup
+
+
+def _host_bytes_available() -> Optional[int]:
+  """The host memory a process can still take (Linux's MemAvailable), if known."""
+  try:
+    with open('/proc/meminfo', encoding='ascii') as f:
+      info = dict(line.split(':', 1) for line in f)
+    return int(info['MemAvailable'].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    return None
+
+
+def _path_name(path: tuple) -> str:
+  return '/'.join(str(getattr(k, 'key', getattr(k, 'name', k))) for k in path)
+
+
+def _gib(n: float) -> str:
+  return f'{n / 2**30:.1f} GiB'
+
+
+def _field_of(config: ml_collections.ConfigDict, shape: tuple) -> str:
+  """The model or data field whose value is the largest dimension of `shape` (what made a
+  parameter huge), or 'model' if none is."""
+  for dim in sorted((d for d in shape if d > 1), reverse=True):
+    for group in ('model', 'data'):
+      for key, value in config[group].items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        if any(isinstance(v, int) and not isinstance(v, bool) and v == dim for v in values):
+          return f'{group}.{key}'
+  return 'model'
+
+
+def check_memory(setup: Setup) -> None:
+  """A quick bound before anything is allocated: the train state's shards on a device and
+  the host's batches must each fit in the memory there is (a device's limit; on CPU the
+  host's, which its devices share). ConfigError naming the field that makes them too big:
+  a typo like model.max_len=1e9 would otherwise allocate for minutes. Not a plan (the
+  step's temporaries are not counted): `--dry_run` compiles the step and checks those."""
+  config, state = setup.config, setup.abstract_state()
+  local = jax.local_devices()
+  shard = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+  leaves = jax.tree_util.tree_leaves_with_path(state)
+  per_device = sum(shard(x) for _, x in leaves)
+  largest_path, largest = max(leaves, key=lambda kv: shard(kv[1]))
+  host = _host_bytes_available()
+  stats = local[0].memory_stats() or {}
+  if stats.get('bytes_limit'):
+    limit, where = stats['bytes_limit'], f'a {local[0].device_kind} device has'
+  elif host is not None:
+    limit, where = host // len(local), (f'this host has free for each of its {len(local)} '
+                                       'devices' if len(local) > 1 else 'this host has free')
+  else:
+    limit = None
+  if limit is not None and per_device > limit:
+    field = _field_of(config, largest.shape)
+    raise ConfigError(
+        f'config.{field}: the train state needs {_gib(per_device)} per device (largest: '
+        f'{_path_name(largest_path)} {tuple(largest.shape)} {largest.dtype}), more '
+        f'than the {_gib(limit)} {where}; lower {field}, or shard more (mesh.shape, '
+        'fsdp rules). --dry_run plans a run without running it')
+  if host is None:
+    return
+  for field, size, copies in (('train.batch_size', config.train.batch_size,
+                               config.data.prefetch + 1),
+                              ('eval.batch_size', config.eval.batch_size, 1)):
+    rows = feed.rows_by_process(setup.batch_sharding, size)[jax.process_index()]
+    row_bytes = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in setup.batch.values())
+    one = (rows.stop - rows.start) * row_bytes
+    if one * copies > host:
+      if one <= host // 2:  # One batch fits: too many are prefetched.
+        field = 'data.prefetch'
+      raise ConfigError(f'config.{field}: {size} rows need {_gib(one * copies)} of host memory on '
+                        f'this process ({rows.stop - rows.start} rows of {row_bytes} B'
+                        + (f', {copies} batches in flight' if copies > 1 else '')
+                        + f'), more than the {_gib(host)} it has free; lower {field}')

@@ -54,6 +54,75 @@ def write_text(p: Union[str, os.PathLike], text: str) -> None:
   os.replace(tmp, target)
 
 
+def read_bytes(p: Union[str, os.PathLike]) -> bytes:
+  return path(p).read_bytes()
+
+
+def is_file(p: Union[str, os.PathLike]) -> bool:
+  return path(p).is_file()
+
+
+def is_dir(p: Union[str, os.PathLike]) -> bool:
+  """A directory; in a bucket, a prefix that holds objects."""
+  return path(p).is_dir()
+
+
+def size(p: Union[str, os.PathLike]) -> int:
+  if not is_remote(p):
+    return os.path.getsize(p)
+  import fsspec  # pylint: disable=import-outside-toplevel
+  _uncached_listings()
+  return fsspec.filesystem('gcs').size(str(p))
+
+
+class RangeReader:
+  """Byte ranges of one file, read on demand: pread on a local file, one ranged GET per
+  read in a bucket (never the whole object: a process reads only its rows' windows)."""
+
+  def __init__(self, p: str):
+    self.path = p
+    if is_remote(p):
+      import fsspec  # pylint: disable=import-outside-toplevel
+      _uncached_listings()
+      self._fs, self._fd = fsspec.filesystem('gcs'), None
+    else:
+      self._fs, self._fd = None, os.open(p, os.O_RDONLY)
+    self.bytes_read = 0
+
+  def read(self, offset: int, count: int) -> bytes:
+    """`count` bytes from `offset`; bytes_read counts what was fetched."""
+    if self._fd is not None:
+      fetched = os.pread(self._fd, count, offset)
+    else:
+      fetched = self._fs.cat_file(self.path, start=offset, end=offset + count)
+    self.bytes_read += len(fetched)
+    return fetched
+
+  def close(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
+
+
+def upload_tree(local: str, url: str, last: str) -> None:
+  """Copies the local directory `local` to the bucket path `url`, the file named `last`
+  after all others: readers that check for it never see a partial copy as complete."""
+  files = sorted(os.path.relpath(os.path.join(d, f), local)
+                 for d, _, names in os.walk(local) for f in names)
+  for name in sorted(files, key=lambda n: n == last):
+    target = path(url).joinpath(name)
+    with open(os.path.join(local, name), 'rb') as src, target.open('wb') as dst:
+      while chunk := src.read(16 * 2**20):
+        dst.write(chunk)
+
+
+def remove_tree(url: str) -> None:
+  """Removes a directory (a bucket prefix) and everything under it, if it exists."""
+  p = path(url)
+  if p.exists():
+    p.rmtree()
+
+
 def listdir(p: Union[str, os.PathLike]) -> list[str]:
   """Names in a directory; [] if it does not exist."""
   directory = path(p)
@@ -82,3 +151,11 @@ def check_bucket(url: str, flag: str) -> None:
   if not reachable:
     raise ConfigError(f'{flag}: bucket {bucket} does not exist; create it (gcloud storage '
                       'buckets create) or fix the name')
+
+
+def named(error: BaseException, p: Union[str, os.PathLike]) -> BaseException:
+  """`error` with the path it concerns, if it names none (a failed flush or close names
+  none), so that its one line says where."""
+  if isinstance(error, OSError) and not error.filename:
+    error.filename = str(p)
+  return error

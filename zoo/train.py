@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 
 from zoo import config as cfg
-from zoo import checkpoint, lease, metrics, perf, profiling, sharding, steps
+from zoo import checkpoint, lease, metrics, perf, profiling, sharding, steps, storage
 from zoo import setup as setup_lib
 from zoo.data import feed
 from zoo.errors import NonFiniteError
@@ -136,6 +136,14 @@ def compile_steps(setup: setup_lib.Setup, state: steps.TrainState) -> tuple:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps.TrainState:
+  """See _train_and_evaluate; a storage error that names no file names the workdir."""
+  try:
+    return _train_and_evaluate(config, workdir)
+  except OSError as e:
+    raise storage.named(e, workdir) from None
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps.TrainState:
   """Trains `config`'s model in `workdir`, resuming from its checkpoints if there are any.
 
   Bad input raises ConfigError before anything is written. Between logs, evals and saves

@@ -43,7 +43,7 @@ def load_run(workdir: str, require_lm: bool = True) -> tuple[ml_collections.Conf
                      or models.MODELS[name].task != tasks.LanguageModel.name):
     raise ConfigError(f'--workdir: {workdir} trained model {name!r}, not a language model; '
                       'sampling needs a transformer_lm run')
-  if config.data.get('path') and not os.path.exists(config.data.path):
+  if config.data.get('path') and not storage.path(config.data.path).exists():
     raise ConfigError(f'--workdir: the run trained on data.path={config.data.path}, not found from '
                       f'{os.getcwd()}; run from the directory that training ran in')
   directory = checkpoint.directory_of(workdir)
@@ -55,8 +55,8 @@ def load_run(workdir: str, require_lm: bool = True) -> tuple[ml_collections.Conf
 def run_dataset(workdir: str, config: ml_collections.ConfigDict) -> Dataset:
   """The data that encodes prompts for a run: an imported model's own tokenizer.json (it has
   no dataset), else the run's dataset."""
-  tokenizer_file = os.path.join(workdir, TOKENIZER)
-  if os.path.isfile(tokenizer_file) and not config.data.get('path'):
+  tokenizer_file = storage.join(workdir, TOKENIZER)
+  if storage.is_file(tokenizer_file) and not config.data.get('path'):
     return tokens.tokenizer_dataset(tokenizer_file, config.model.vocab_size, config.data.seq_len)
   return data.load(config.data, config.seed)
 
@@ -64,7 +64,8 @@ def run_dataset(workdir: str, config: ml_collections.ConfigDict) -> Dataset:
 def tokenizer_file(workdir: str, config: ml_collections.ConfigDict) -> str:
   """The run's tokenizer.json (its own, or its token dataset's), or '' if it has none."""
   data_path = config.data.get('path') or ''
-  for path in (os.path.join(workdir, TOKENIZER), os.path.join(data_path, TOKENIZER)):
-    if os.path.isfile(path):
+  for path in [storage.join(workdir, TOKENIZER)] + (
+      [storage.join(data_path, TOKENIZER)] if data_path else []):
+    if storage.is_file(path):
       return path
   return ''

@@ -8,12 +8,12 @@ same global batch order.
 """
 import dataclasses
 import json
-import os
 from typing import Callable, Iterator, Optional
 
 import ml_collections
 import numpy as np
 
+from zoo import storage
 from zoo.errors import ConfigError
 
 METADATA = 'metadata.json'  # Written last into a prepared dataset's directory.
@@ -61,16 +61,17 @@ def read_metadata(path: str, fmt: str, version: int, kind: str) -> dict:
   """The metadata.json of a dataset directory that `python -m zoo.prepare <kind>` wrote in
   format `fmt`, `version`; ConfigError naming config.data.path and the fix."""
   prepare = f'`python -m zoo.prepare {kind}`'
-  if not os.path.isdir(path):
+  if storage.is_remote(path):
+    storage.check_bucket(path, 'config.data.path')
+  if not storage.is_dir(path):
     raise ConfigError(f'config.data.path: {path} is not a directory; give a dataset that '
                       f'{prepare} wrote')
-  meta_path = os.path.join(path, METADATA)
-  if not os.path.isfile(meta_path):
+  meta_path = storage.join(path, METADATA)
+  if not storage.is_file(meta_path):
     raise ConfigError(f'config.data.path: {path} has no {METADATA}: it is not a prepared '
                       f'dataset, or its preparation did not finish; run {prepare} again')
   try:
-    with open(meta_path, encoding='utf-8') as f:
-      meta = json.load(f)
+    meta = json.loads(storage.read_text(meta_path))
   except ValueError as e:
     raise ConfigError(f'config.data.path: {meta_path} is not valid JSON ({e}); prepare the '
                       'dataset again') from None

@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Optional
 import ml_collections
 import numpy as np
 
+from zoo import storage
 from zoo.data import dataset, tokens
 from zoo.data.dataset import DataSource, Dataset, epoch_order, padded_rows
 from zoo.errors import ConfigError, fail
@@ -226,6 +227,10 @@ def describe(meta: dict) -> str:
 def read_metadata(path: str) -> dict:
   """The dataset's metadata, once every record file it names is there."""
   from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
+  if storage.is_remote(path):  # ArrayRecord (through grain) opens local files only.
+    raise ConfigError(f'config.data.path: {path}: record datasets are read by ArrayRecord, which '
+                      'opens local files only; mount the bucket on every host with gcsfuse '
+                      '(gcsfuse --implicit-dirs BUCKET /mnt/BUCKET) and give the mounted path')
   meta = dataset.read_metadata(path, FORMAT, VERSION, 'images')
   for split in SPLITS:
     for shard in meta['splits'][split]['shards']:

@@ -17,6 +17,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from zoo import storage
 from zoo.errors import ConfigError
 
 EOS = '<|endoftext|>'
@@ -68,9 +69,11 @@ def load(path: str, field: str = '--tokenizer',
          fix: str = 'give a tokenizer.json that `tokenizers.Tokenizer.from_file` reads, or '
                     '"bytes" or "bpe"') -> tokenizers.Tokenizer:
   """A tokenizer.json; ConfigError naming `field` and `fix` if it is missing or not one."""
-  if not os.path.isfile(path):
+  if not storage.is_file(path):
     raise ConfigError(f'{field}: {path} is not a file; {fix}')
   try:
+    if storage.is_remote(path):
+      return tokenizers.Tokenizer.from_str(storage.read_text(path))
     return tokenizers.Tokenizer.from_file(path)
   except Exception as e:  # pylint: disable=broad-except  # The Rust side raises plain Exception.
     reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__

@@ -15,6 +15,7 @@ step) for its row of the global batch; a process reads only its rows' windows, s
 does not grow with the data and resuming needs nothing but the step. Eval tiles the
 validation split with windows that do not overlap.
 """
+import io
 import json
 import os
 import weakref
@@ -23,6 +24,7 @@ from typing import Any, Iterator
 import ml_collections
 import numpy as np
 
+from zoo import storage
 from zoo.data import dataset, documents
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.data.dataset import DataSource, Dataset, padded_rows
@@ -78,39 +80,44 @@ def read_metadata(path: str) -> dict:
   return dataset.read_metadata(path, FORMAT, VERSION, 'text')
 
 
-def _close_files(descriptors: list) -> None:
-  for fd in descriptors:
-    os.close(fd)
+def _close_files(readers: list) -> None:
+  for reader in readers:
+    reader.close()
 
 
 class TokenSplit:
   """One split's shards as a single token sequence, read window by window; counts what it
   reads.
 
-  Windows are read with pread, not through a memory map: mapping a file whose pages the
-  kernel caches in large folios maps whole folios, and a process reading random windows of
-  a 4 GB dataset grew by ~1.6 MB per window (measured, MADV_RANDOM or not).
+  Windows are read by byte range (storage.RangeReader): pread on a local disk, one ranged
+  GET per window in a bucket, so a process fetches only its own rows. Not through a memory
+  map: mapping a file whose pages the kernel caches in large folios maps whole folios, and a
+  process reading random windows of a 4 GB dataset grew by ~1.6 MB per window (measured,
+  MADV_RANDOM or not).
   """
 
   def __init__(self, path: str, name: str, meta: dict):
     dtype = self.dtype = np.dtype(meta['dtype'])
-    self.shards, starts = [], [0]  # Open file descriptors, closed when the split is freed.
+    self.shards, starts = [], [0]  # Open readers, closed when the split is freed.
     weakref.finalize(self, _close_files, self.shards)
     for shard in meta['splits'][name]['shards']:
-      file = os.path.join(path, shard['file'])
-      if not os.path.isfile(file):
+      file = storage.join(path, shard['file'])
+      if not storage.is_file(file):
         raise ConfigError(f'config.data.path: shard {file} is missing; prepare the dataset again')
-      size = os.path.getsize(file)
+      size = storage.size(file)
       if size % dtype.itemsize or size // dtype.itemsize != shard['tokens']:
         raise ConfigError(
             f'config.data.path: shard {file} is truncated or damaged: {size} bytes, but '
             f'{shard["tokens"]} {dtype.name} tokens ({shard["tokens"] * dtype.itemsize} bytes) '
             'were written; prepare the dataset again')
-      self.shards.append(os.open(file, os.O_RDONLY))
+      self.shards.append(storage.RangeReader(file))
       starts.append(starts[-1] + shard['tokens'])
     self.starts = np.array(starts, np.int64)  # Shard i holds tokens [starts[i], starts[i+1]).
     self.tokens = int(self.starts[-1])
     self.windows_read = 0
+
+  def bytes_read(self) -> int:
+    return sum(reader.bytes_read for reader in self.shards)
 
   def windows(self, positions: np.ndarray, length: int) -> np.ndarray:
     """int32 [n, length]: the tokens at positions[i] ... positions[i] + length - 1."""
@@ -122,7 +129,7 @@ class TokenSplit:
       while filled < length:
         offset = int(start + filled - self.starts[shard])
         count = min(length - filled, int(self.starts[shard + 1] - self.starts[shard]) - offset)
-        data = os.pread(self.shards[shard], count * size, offset * size)
+        data = self.shards[shard].read(offset * size, count * size)
         out[row, filled:filled + count] = np.frombuffer(data, self.dtype)
         filled += count
         shard += 1
@@ -141,13 +148,13 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
                         f'tokens, fewer than data.seq_len + 1 = {window}; lower data.seq_len or '
                         f'{fix}')
   again = 'prepare the dataset again'
-  tokenizer = tokenizer_lib.load(os.path.join(path, meta['tokenizer']['file']),
+  tokenizer = tokenizer_lib.load(storage.join(path, meta['tokenizer']['file']),
                                  'config.data.path', again)
   try:
-    token_bytes = np.load(os.path.join(path, meta['token_bytes']))
+    token_bytes = np.load(io.BytesIO(storage.read_bytes(storage.join(path, meta['token_bytes']))))
   except (OSError, ValueError) as e:
-    raise ConfigError(f'config.data.path: {os.path.join(path, meta["token_bytes"])} cannot be read '
-                      f'({type(e).__name__}); {again}') from None
+    raise ConfigError(f'config.data.path: {storage.join(path, meta["token_bytes"])} cannot be '
+                      f'read ({type(e).__name__}); {again}') from None
   if token_bytes.shape != (meta['vocab_size'],):
     raise ConfigError(f'config.data.path: {meta["token_bytes"]} has {token_bytes.shape} entries '
                       f'for a vocabulary of {meta["vocab_size"]}; {again}')

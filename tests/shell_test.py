@@ -1,0 +1,99 @@
+"""The shell every command runs in (zoo/shell.py): --help exits 0, and what a user gets
+wrong (a flag, an experiment file, a config value) is one `zoo: error:` line, exit 1,
+nothing written, never a traceback."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, experiment, run_cli
+
+COMMANDS = {'zoo.main': '--cpu_devices', 'zoo.sample': '--cpu_devices',
+            'zoo.convert': '--cpu_devices', 'zoo.prepare': 'log_libraries'}
+
+
+def _run(module, *args, timeout=120):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  return subprocess.run([sys.executable, '-m', module, *args], env=env, cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _one_line_error(result):
+  """The failure's last line, checked to be zoo's one-line error with no traceback."""
+  assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+  assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+  line = result.stderr.strip().splitlines()[-1]
+  assert line.startswith('zoo: error: '), line
+  return line
+
+
+@pytest.mark.parametrize('module', sorted(COMMANDS))
+def test_help_exits_zero_with_the_command_and_shared_flags(module):
+  result = _run(module, '--help')
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert COMMANDS[module] in result.stdout
+  assert 'python -m ' + module in result.stdout  # The command's own docstring, first.
+
+
+def _write(tmp_path, name, text):
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+def test_experiment_file_problems_are_one_line_naming_the_file_and_line(tmp_path):
+  syntax = _write(tmp_path, 'syntax.py', 'def get_config(arg=None):\n  return 1 +\n')
+  raises = _write(tmp_path, 'raises.py', 'def get_config(arg=None):\n  x = 1\n'
+                  '  raise RuntimeError("no such variant " + str(arg))\n')
+  none = _write(tmp_path, 'none.py', 'CONFIG = 1\n')
+  cases = {
+      'experiments/nope.py': ('--config: experiments/nope.py: no such experiment file; '
+                              'experiments/ has bpe_lm.py, char_lm.py'),
+      f'{syntax}': f'--config: {syntax}, line 2: invalid syntax; fix the file',
+      f'{raises}:big': (f'--config: {raises}:big: get_config raised RuntimeError: no such '
+                        'variant big (line 3)'),
+      f'{none}': f'--config: {none} defines no get_config(arg)',
+      'experiments/finetune_lm.py:smoke': (
+          '--config: experiments/finetune_lm.py:smoke: get_config raised ValueError: smoke has '
+          'no config.json: give the workdir of an imported model'),
+      'experiments/char_lm.py:bogus': ("--config: experiments/char_lm.py:bogus: get_config "
+                                       "raised ValueError: unknown variant 'bogus' of char_lm"),
+  }
+  from zoo import shell  # pylint: disable=import-outside-toplevel
+  for config, expected in cases.items():  # What the shell makes of each, in this process.
+    assert shell._flag_error(ValueError(), ['zoo', f'--config={config}']).startswith(expected)  # pylint: disable=protected-access
+  workdir = tmp_path / 'run'  # And once through the command, end to end.
+  line = _one_line_error(run_cli(f'--config={syntax}', f'--workdir={workdir}', devices=1))
+  assert line == f'zoo: error: --config: {syntax}, line 2: invalid syntax; fix the file'
+  assert not workdir.exists()
+
+
+def test_bad_flags_are_one_line():
+  smoke = f'--config={experiment("mlp_digits")}:smoke'
+  cases = {('--bogus',): "Unknown command line flag 'bogus'",
+           (smoke, '--config.train.steps=abc'): 'flag --config.train.steps=abc: ',
+           (smoke, '--config.train.nope=1'): ("--config.train.nope: config.train has no field "
+                                              "'nope'; its fields: batch_size, "),
+           }
+  for args, expected in cases.items():
+    assert _one_line_error(run_cli(*args, devices=1)).startswith('zoo: error: ' + expected)
+  for module, args, expected in (
+      ('zoo.convert', ['sideways', '--hf_dir=x', '--workdir=y'], 'give import or export'),
+      ('zoo.prepare', ['--output=x'], 'give one kind, text or images'),
+      ('zoo.sample', ['--workdir=/nonexistent'], '--workdir: /nonexistent is not a directory')):
+    assert _one_line_error(_run(module, *args)).startswith('zoo: error: ' + expected)
+
+
+@pytest.mark.parametrize('override,field', [
+    ('model.max_len=1000000000', 'config.model.max_len: the train state needs '),
+])  # Other fields and values: config_fuzz_test.py, in-process.
+def test_values_too_big_for_memory_are_refused_before_anything_is_allocated(tmp_path, override,
+                                                                            field):
+  """A typo's value would have allocated for minutes (or died of memory): refused in
+  seconds, naming the field, the workdir untouched."""
+  workdir = tmp_path / 'run'
+  result = run_cli(f'--config={experiment("char_lm")}:smoke', f'--workdir={workdir}',
+                   f'--config.{override}', devices=2, timeout=60)
+  assert _one_line_error(result).startswith('zoo: error: ' + field)
+  assert not workdir.exists()
