@@ -1,12 +1,13 @@
 r"""Pod plans compiled here by the TPU compiler: what fits where, at what peak, how fast.
 
     pip install -e '.[tpu]'
-    python benchmarks/pod_plans.py                 # everything (about 1 hour on 2 cores)
+    python benchmarks/pod_plans.py                 # everything (about 1.5 hours on 2 cores)
+    python benchmarks/pod_plans.py --only=plans --resume   # only the rows not in the JSON yet
     python benchmarks/pod_plans.py --only=plans    # or maxtext, cpu
 
 Three tables (and pod_plans.json):
-- plans: char_lm:1b and a Llama-3-8B-shaped decoder (abstract parameters, no weights) on
-  v5litepod-256, v5p-64 and 2 slices of v5litepod-256; data
+- plans: char_lm:100m, char_lm:1b and a Llama-3-8B-shaped decoder (abstract parameters, no
+  weights) on v5litepod-256, v5p-64, v5p-256, v6e-256 and 2 slices of v5litepod-256; data
   parallel (DP), FSDP, and tensor x data parallel (TP x DP, 4-way 'model'); at 8,192
   tokens, one sequence per chip, as the experiment sets it (dots_no_batch remat, XLA
   attention) and with full remat + splash attention. Each row: the compiler's verdict, its
@@ -35,8 +36,9 @@ LLAMA3_8B = dict(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, mlp_
 LLAMA2_7B = dict(num_layers=32, d_model=4096, num_heads=32, mlp_dim=11008, vocab_size=32000,
                  positions='rotary', norm='rms', norm_epsilon=1e-5, mlp_activation='swiglu',
                  remat='full', scan_layers=True)
-MODELS = {'1b': ('1b', {}), 'llama3-8b': ('1b', LLAMA3_8B)}
-TARGETS = [('v5litepod-256', 1), ('v5p-64', 1), ('v5litepod-256', 2)]
+MODELS = {'100m': ('100m', {}), '1b': ('1b', {}), 'llama3-8b': ('1b', LLAMA3_8B)}
+TARGETS = [('v5litepod-256', 1), ('v5p-64', 1), ('v5p-256', 1), ('v6e-256', 1),
+           ('v5litepod-256', 2)]
 MESHES = {'DP': ((-1, 1), False), 'FSDP': ((-1, 1), True), 'TP x DP': ((-1, 4), False)}
 VARIANTS = {'as set': {}, 'remat full + splash': {'remat': 'full', 'attention': 'splash'}}
 SEQ = 8192
@@ -64,15 +66,18 @@ def _collectives(rows):
 
 def plans(out):
   from zoo import plan, topology  # pylint: disable=import-outside-toplevel
+  done = {(r['target'], r['model'], r['mesh'], r['variant']) for r in out.get('plans', [])}
   for name, slices in TARGETS:
     target = topology.parse(name, slices)
     for model in MODELS:
       for mesh in MESHES:
         for variant in VARIANTS:
-          config = config_for(model, mesh, variant, target.chips * slices, slices)
-          t0 = time.perf_counter()
           row = {'target': f'{slices} x {name}' if slices > 1 else name, 'model': model,
                  'mesh': mesh, 'variant': variant}
+          if tuple(row.values()) in done:  # --resume: measured already.
+            continue
+          config = config_for(model, mesh, variant, target.chips * slices, slices)
+          t0 = time.perf_counter()
           try:
             p = plan.make_plan(config, target=target)
           except Exception as e:  # pylint: disable=broad-except  # Reported as a row.
@@ -157,6 +162,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--only', default='plans,cpu,maxtext')
   parser.add_argument('--json', default='pod_plans.json')
+  parser.add_argument('--resume', action='store_true', help='keep the rows already measured')
   args = parser.parse_args()
   if args.only == '_cpu_rows':
     _cpu_rows({})
@@ -170,7 +176,8 @@ def main():
       out = json.load(f)
   out['_path'] = args.json
   for section in args.only.split(','):
-    out.pop(section, None)
+    if not args.resume:
+      out.pop(section, None)
     {'plans': plans, 'cpu': cpu, 'maxtext': maxtext}[section](out)
     with open(args.json, 'w', encoding='utf-8') as f:
       json.dump({k: v for k, v in out.items() if k != '_path'}, f, indent=2)
