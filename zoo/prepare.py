@@ -148,7 +148,6 @@ def _run_to_bucket(kind: str, url: str, t0: float) -> None:
   until that lands, training refuses the prefix as unfinished. (Record datasets are read
   through a gcsfuse mount, so they are written there as to a local path.)"""
   import contextlib  # pylint: disable=import-outside-toplevel
-  import json  # pylint: disable=import-outside-toplevel
   import tempfile  # pylint: disable=import-outside-toplevel
   if kind != 'text':
     raise ConfigError(f'--output: {url}: record datasets are read through a local path; mount '
@@ -162,11 +161,7 @@ def _run_to_bucket(kind: str, url: str, t0: float) -> None:
     if not _OVERWRITE.value:
       raise ConfigError(f'--output: {url} exists; give --overwrite to replace it, or another '
                         '--output')
-    try:
-      ours = json.loads(storage.read_text(meta)).get('format', '').startswith('zoo.')
-    except (OSError, ValueError):
-      ours = False
-    if not ours:
+    if not atomic.is_dataset(url):
       raise ConfigError(f'--output: {url} is not a dataset that zoo.prepare wrote (no zoo '
                         'metadata.json), so --overwrite will not replace it; pick another --output')
   write = text_writer(_INPUT.value)

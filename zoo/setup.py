@@ -182,11 +182,11 @@ def check_memory(setup: Setup) -> None:
         'fsdp rules). --dry_run plans a run without running it')
   if host is None:
     return
+  row_bytes = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in setup.batch.values())
   for field, size, copies in (('train.batch_size', config.train.batch_size,
                                config.data.prefetch + 1),
                               ('eval.batch_size', config.eval.batch_size, 1)):
     rows = feed.rows_by_process(setup.batch_sharding, size)[jax.process_index()]
-    row_bytes = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in setup.batch.values())
     one = (rows.stop - rows.start) * row_bytes
     if one * copies > host:
       if one <= host // 2:  # One batch fits: too many are prefetched.

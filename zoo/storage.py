@@ -67,12 +67,15 @@ def is_dir(p: Union[str, os.PathLike]) -> bool:
   return path(p).is_dir()
 
 
-def size(p: Union[str, os.PathLike]) -> int:
-  if not is_remote(p):
-    return os.path.getsize(p)
+def _gcs():
+  """fsspec's gcsfs filesystem (shared with etils and orbax), listings uncached."""
   import fsspec  # pylint: disable=import-outside-toplevel
   _uncached_listings()
-  return fsspec.filesystem('gcs').size(str(p))
+  return fsspec.filesystem('gcs')
+
+
+def size(p: Union[str, os.PathLike]) -> int:
+  return _gcs().size(str(p)) if is_remote(p) else os.path.getsize(p)
 
 
 class RangeReader:
@@ -82,9 +85,7 @@ class RangeReader:
   def __init__(self, p: str):
     self.path = p
     if is_remote(p):
-      import fsspec  # pylint: disable=import-outside-toplevel
-      _uncached_listings()
-      self._fs, self._fd = fsspec.filesystem('gcs'), None
+      self._fs, self._fd = _gcs(), None
     else:
       self._fs, self._fd = None, os.open(p, os.O_RDONLY)
     self.bytes_read = 0

@@ -12,14 +12,16 @@ from typing import Optional
 
 from absl import logging
 
+from zoo import storage
 from zoo.errors import ConfigError
 
 
 def is_dataset(path: str) -> bool:
-  """Whether `path` is a directory that zoo.prepare wrote (its metadata names a zoo format)."""
+  """Whether `path` (local or gs://) is a directory that zoo.prepare wrote (its metadata
+  names a zoo format)."""
   try:
-    with open(os.path.join(path, 'metadata.json'), encoding='utf-8') as f:
-      return str(json.load(f).get('format', '')).startswith('zoo.')
+    meta = json.loads(storage.read_text(storage.join(path, 'metadata.json')))
+    return str(meta.get('format', '')).startswith('zoo.')
   except (OSError, ValueError, AttributeError):
     return False
 
