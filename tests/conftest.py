@@ -119,3 +119,11 @@ class Trainer:
         self.state, metrics = self.train_step(self.state, self.batch(step))
         self.metrics.append({k: float(v) for k, v in metrics.items()})
     return [m['train/loss'] for m in self.metrics]
+
+
+def pytest_unconfigure(config):  # pylint: disable=unused-argument
+  """A session whose tests passed but whose process does not exit (a library's exit hook
+  waiting for good) fails within a minute, printing every thread's stack, instead of hanging
+  CI until its time runs out."""
+  import faulthandler  # pylint: disable=import-outside-toplevel
+  faulthandler.dump_traceback_later(60, exit=True)

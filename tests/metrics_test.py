@@ -27,39 +27,59 @@ def test_format_duration():
 
 
 
-def test_a_dead_tensorboard_writer_ends_the_run_with_its_error_and_closes_in_bounded_time(
-    tmp_path, monkeypatch):
-  """tensorboardX's event thread dies on a full disk; from then on each of its calls and its
-  close block for good (a bounded queue whose consumer is gone). The writer must raise the
-  disk's error at the next row, and close within CLOSE_SECONDS instead of waiting forever."""
-  import errno  # pylint: disable=import-outside-toplevel
-  import threading  # pylint: disable=import-outside-toplevel
-  import time  # pylint: disable=import-outside-toplevel
-  from tensorboardX import record_writer  # pylint: disable=import-outside-toplevel
+_DEAD_WRITER = r"""
+import errno, json, sys, threading, time
+from tensorboardX import record_writer
+from zoo import metrics
 
-  def full_disk(self, data):
-    raise OSError(errno.ENOSPC, 'No space left on device')
-  monkeypatch.setattr(metrics, 'CLOSE_SECONDS', 2.0)
-  writer = metrics.MetricWriter(str(tmp_path), active=True, start_step=0)
-  monkeypatch.setattr(record_writer.RecordWriter, 'write', full_disk)  # The disk fills up.
-  outcome = {}
-  def log_then_close():
-    try:
-      for step in range(1, 200):  # A row of 20 scalars: more events than its queue holds.
-        writer.write(step, {f'train/x{i}': 1.0 for i in range(20)})
-        time.sleep(0.01)
-    except OSError as e:
-      outcome['error'] = e
-    t0 = time.monotonic()
-    try:
-      writer.close()
-    except OSError:
-      pass
-    outcome['close_s'] = time.monotonic() - t0
-  thread = threading.Thread(target=log_then_close, daemon=True)
-  thread.start()
-  thread.join(30)
-  assert not thread.is_alive(), 'the writer blocked (write or close never returned)'
-  assert outcome['error'].errno == errno.ENOSPC
-  assert str(tmp_path) in outcome['error'].filename
+def full_disk(self, data):
+  raise OSError(errno.ENOSPC, 'No space left on device')
+metrics.CLOSE_SECONDS = 2.0
+writer = metrics.MetricWriter(sys.argv[1], active=True, start_step=0)
+record_writer.RecordWriter.write = full_disk  # The disk fills up.
+outcome = {}
+def log_then_close():
+  try:
+    for step in range(1, 200):  # A row of 20 scalars: more events than its queue holds.
+      writer.write(step, {f'train/x{i}': 1.0 for i in range(20)})
+      time.sleep(0.01)
+  except OSError as e:
+    outcome['errno'], outcome['filename'] = e.errno, e.filename
+  t0 = time.monotonic()
+  try:
+    writer.close()
+  except OSError:
+    pass
+  outcome['close_s'] = time.monotonic() - t0
+thread = threading.Thread(target=log_then_close, daemon=True)
+thread.start()
+thread.join(30)
+outcome['blocked'] = thread.is_alive()
+print(json.dumps(outcome))
+"""
+
+
+def test_a_dead_tensorboard_writer_ends_the_run_with_its_error_and_closes_in_bounded_time(
+    tmp_path):
+  """tensorboardX's event thread dies on a full disk; from then on each of its calls and its
+  close block for good (a bounded queue whose consumer is gone), its exit-time close too.
+  The writer must raise the disk's error at the next row, close within CLOSE_SECONDS, and the
+  process must then exit (run apart: a hang here would otherwise hang the test session)."""
+  import errno  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  import time  # pylint: disable=import-outside-toplevel
+
+  t0 = time.monotonic()
+  try:
+    result = subprocess.run([sys.executable, '-c', _DEAD_WRITER, str(tmp_path)],
+                            capture_output=True, text=True, timeout=60)
+  except subprocess.TimeoutExpired:
+    raise AssertionError('the process did not exit after its writer was closed') from None
+  assert result.returncode == 0, result.stderr[-2000:]
+  outcome = json.loads(result.stdout.strip().splitlines()[-1])
+  assert not outcome['blocked'], 'the writer blocked (write or close never returned)'
+  assert outcome['errno'] == errno.ENOSPC
+  assert str(tmp_path) in outcome['filename']
   assert outcome['close_s'] < 5
+  assert time.monotonic() - t0 < 45

@@ -1,4 +1,5 @@
 """What a run writes for people: metrics.jsonl, TensorBoard events, JSON files, the console."""
+import atexit
 import html
 import json
 import logging as std_logging
@@ -90,6 +91,19 @@ class _OffThread:
     bounded(lambda: (self._thread.join(), self._writer.close()), self._name)
 
 
+def _without_exit_hooks(make: Callable[[], Any]) -> Any:
+  """Returns make()'s writer without the exit hooks it registers. tensorboardX registers its
+  writer's close to run at interpreter exit; once its thread died (a full disk) that close
+  waits for good, so the process would never exit. zoo closes the writer itself, bounded."""
+  hooks = []
+  register = atexit.register
+  atexit.register = lambda hook, *args, **kwargs: hooks.append(hook) or hook
+  try:
+    return make()
+  finally:
+    atexit.register = register
+
+
 def _summary_writer_class() -> Any:
   """tensorboardX.SummaryWriter, imported without torch: tensorboardX imports torch when it
   is installed, only to accept torch tensors (zoo passes floats and strings), and that costs
@@ -134,8 +148,8 @@ class MetricWriter:
       self._jsonl = None if storage.is_remote(path) else open(path, 'a', encoding='utf-8')
       _record_thread_faults()
       _THREAD_FAULTS.clear()  # This run's faults only.
-      self._tb = _OffThread(summary_writer(logdir=workdir, flush_secs=10,
-                                           purge_step=start_step + 1), 'TensorBoard events')
+      self._tb = _OffThread(_without_exit_hooks(lambda: summary_writer(
+          logdir=workdir, flush_secs=10, purge_step=start_step + 1)), 'TensorBoard events')
       if self._wandb:
         self._wandb.start(logged)
 
