@@ -49,7 +49,7 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import optax  # pylint: disable=wrong-import-position
 
-from zoo import data, perf, setup, steps  # pylint: disable=wrong-import-position
+from zoo import data, perf, setup  # pylint: disable=wrong-import-position
 from zoo.data import feed  # pylint: disable=wrong-import-position
 from zoo.config import load_experiment  # pylint: disable=wrong-import-position
 
@@ -93,7 +93,7 @@ def overhead(name, mesh_shape, block_steps, repeats, peak):
   with s.scope():
     batch = feed.TrainBatches(dataset, s.batch_sharding, config.train.batch_size)(0)
     zoo_state = s.create_state()
-    train_step = steps.jit_train_step(s)
+    train_step = s.jit_train_step()
     shardings = s.state_shardings
     hand = jax.jit(hand_written_step(s.model, s.optimizer),
                    in_shardings=(shardings.params, shardings.opt_state, s.batch_sharding),
@@ -135,7 +135,7 @@ def compile_time(layers, scan):
   with s.scope():
     abstract = s.abstract_state()
     t0 = time.perf_counter()
-    lowered = steps.jit_train_step(s).lower(abstract, s.batch)
+    lowered = s.jit_train_step().lower(abstract, s.batch)
     t1 = time.perf_counter()
     lowered.compile()
     t2 = time.perf_counter()

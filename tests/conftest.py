@@ -86,7 +86,7 @@ class Trainer:
   """An experiment's Setup, state and jitted steps on its mesh, in process, for numerics tests."""
 
   def __init__(self, config):
-    from zoo import config as cfg, data, setup, steps  # pylint: disable=import-outside-toplevel
+    from zoo import config as cfg, data, setup  # pylint: disable=import-outside-toplevel
     from zoo.data import feed  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     cfg.validate(config, jax.device_count())  # No test runs a config that a user could not.
@@ -100,8 +100,8 @@ class Trainer:
     with self.scope():
       self.initial = self.setup.create_state()
       self.state = self.initial
-      self.train_step = steps.jit_train_step(self.setup)
-      self.eval_step = steps.jit_eval_step(self.setup)
+      self.train_step = self.setup.jit_train_step()
+      self.eval_step = self.setup.jit_eval_step()
 
   def scope(self):
     return self.setup.scope()

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import load_config
-from zoo import data, perf, setup, steps
+from zoo import data, perf, setup
 from zoo import mesh as mesh_lib
 
 
@@ -17,7 +17,7 @@ def _one_device_cost(compiled=True, **overrides):
   s = setup.build(config, dataset, mesh=mesh)
   with s.scope():
     abstract = s.abstract_state()
-    lowered = steps.jit_train_step(s).lower(abstract, s.batch)
+    lowered = s.jit_train_step().lower(abstract, s.batch)
   return perf.step_cost(s, abstract, lowered.compile() if compiled else lowered)
 
 

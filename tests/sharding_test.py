@@ -96,7 +96,7 @@ def test_train_step_keeps_activation_constraints(model_name, expected, devices):
   with s.scope():
     state = s.abstract_state()  # Abstract: lowered only.
     global_batch = feed.to_global(batch, s.batch_sharding, s.config.train.batch_size)
-    text = steps.jit_train_step(s).lower(state, global_batch).as_text()
+    text = s.jit_train_step().lower(state, global_batch).as_text()
   constraints = re.findall(r'sharding_constraint', text)
   # Forward constraints, plus their transposes in the backward pass.
   assert len(constraints) == expected, f'{len(constraints)} sharding constraints, expected {expected}'

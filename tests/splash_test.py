@@ -10,7 +10,7 @@ import pytest
 
 from conftest import load_config, trainer
 from zoo import mesh as mesh_lib
-from zoo import perf, setup as setup_lib, sharding, steps, topology
+from zoo import perf, setup as setup_lib, sharding, topology
 from zoo.models import splash, transformer
 
 
@@ -110,6 +110,6 @@ def test_the_tpu_compiler_compiles_the_kernel_into_the_step():
     config = load_config('char_lm', **{**LM, 'mesh.shape': (4, 1), 'model.attention': impl})
     s = setup_lib.checked(config, devices, plan=True)
     with s.scope():
-      texts[impl] = steps.jit_train_step(s).lower(s.abstract_state(), s.batch).compile().as_text()
+      texts[impl] = s.jit_train_step().lower(s.abstract_state(), s.batch).compile().as_text()
   assert texts['splash'].count('custom_call_target="tpu_custom_call"') >= 3  # fwd, dq, dkv.
   assert 'tpu_custom_call' not in texts['xla']

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO, experiment, load_config
 from zoo import mesh as mesh_lib
-from zoo import setup as setup_lib, steps, topology
+from zoo import setup as setup_lib, topology
 from zoo.data import feed
 from zoo.errors import ConfigError
 
@@ -124,7 +124,7 @@ def test_tensor_parallel_meshes_compile_on_a_slice_without_wraparound(shape):
   rows = feed.rows_by_process(s.batch_sharding, 2 * shape[0])
   assert len(rows) == 16 and max(r.stop for r in rows.values()) == 2 * shape[0]
   with s.scope():
-    steps.jit_train_step(s).lower(s.abstract_state(), s.batch).compile()
+    s.jit_train_step().lower(s.abstract_state(), s.batch).compile()
 
 
 @needs_libtpu

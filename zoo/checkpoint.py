@@ -10,20 +10,18 @@ import contextlib
 import re
 import signal
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Callable, Optional
 
 from absl import logging
 import jax
 from jax.experimental import multihost_utils
+import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
 from zoo import storage
 from zoo.errors import CheckpointError
-
-if TYPE_CHECKING:
-  from zoo.setup import Setup
 
 
 def _key_name(key):
@@ -212,16 +210,16 @@ def restore_params(path: str, params_target: Any,
   return restored['params'], step, directory
 
 
-def restore_or_init(setup: 'Setup', workdir: str) -> tuple[Any, ocp.CheckpointManager]:
-  """The run's first state: the newest checkpoint in the workdir, else a fresh state (with
-  `checkpoint.init_from`'s params, if set). Returns (state, checkpoint manager).
+def restore_or_init(workdir: str, abstract: Any, create: Callable[[], Any],
+                    c: ml_collections.ConfigDict) -> tuple[Any, ocp.CheckpointManager]:
+  """The run's first state: the newest checkpoint in the workdir, else `create()` (with
+  `c.init_from`'s params, if set). Returns (state, checkpoint manager). `abstract` is the
+  state's shapes with their shardings; `c` the config's checkpoint section.
 
-  Restores read straight into the Setup's shardings, whatever mesh wrote the checkpoint.
+  Restores read straight into those shardings, whatever mesh wrote the checkpoint.
   A checkpoint (or init_from) that does not fit fails before anything is written.
   """
-  abstract = setup.abstract_state()
   target = saved_tree(abstract)
-  c = setup.config.checkpoint
   new_manager = lambda: make_manager(workdir, c.keep, c.async_save, c.replica_parallel)
   manager = None
   if exists_on_process_0(workdir):
@@ -230,7 +228,7 @@ def restore_or_init(setup: 'Setup', workdir: str) -> tuple[Any, ocp.CheckpointMa
     if restored is not None:
       logging.info('resuming from step %d of %s', step, manager.directory)
       return abstract.replace(**restored), manager
-  state = setup.create_state()
+  state = create()
   if c.init_from:
     params, step, source = restore_params(c.init_from, target['params'])
     logging.info('initialised params from step %d of %s (optimizer state fresh)', step, source)

@@ -30,8 +30,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from zoo import checkpoint, hf, models, sharding, shell, storage
-from zoo import mesh as mesh_lib
+from zoo import checkpoint, hf, models, shell, storage
 from zoo import config as cfg
 from zoo import setup as setup_lib
 from zoo import workdir as workdir_lib
@@ -168,28 +167,6 @@ def _example(arch: hf.Architecture, fields: dict) -> tuple[dict, dict]:
                                                   'targets': np.zeros((1,), np.int32)}
 
 
-def placed_setup(config: ml_collections.ConfigDict, dataset: Dataset,
-                 mesh_shape: str = '') -> setup_lib.Setup:
-  """The model's Setup on `mesh_shape` (default: every device on 'model'), with the axes
-  its parameters cannot split over there replicated."""
-  axes = tuple(config.mesh.axes)
-  devices = jax.devices()
-  one = mesh_lib.make_mesh([1] * len(axes), axes, devices[:1])
-  logical = setup_lib.build(config, dataset, mesh=one).logical_state.params
-  if mesh_shape:
-    shape = mesh_lib.parse_mesh_shape(mesh_shape, axes, len(devices))
-  else:
-    shape = [len(devices) if a == 'model' else 1 for a in axes]
-  mesh = mesh_lib.make_mesh(shape, axes, devices)
-  rules = sharding.fit_rules(logical, mesh, config.logical_axis_rules)
-  replicated = [n for (n, a), (_, b) in zip(sharding.rules_tuple(config.logical_axis_rules), rules)
-                if a != b]
-  if replicated:
-    logging.info('replicating %s: the parameters do not split over mesh %s', replicated,
-                 dict(mesh.shape))
-  return setup_lib.build(config, dataset, mesh=mesh, rules=rules)
-
-
 def _flat(tree: Any) -> dict[str, Any]:
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {'/'.join(str(getattr(k, 'key', k)) for k in path): leaf for path, leaf in flat}
@@ -216,7 +193,8 @@ def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.S
     raise ConfigError(f'--workdir: {workdir} already has checkpoints; import into a new workdir')
   config = zoo_config(arch, fields)
   model_fields, example = _example(arch, fields)
-  setup = placed_setup(config, shapes_dataset(arch.task, model_fields, example), mesh_shape)
+  setup = setup_lib.placed(config, shapes_dataset(arch.task, model_fields, example),
+                           mesh_shape, doing='importing')
   targets = _flat(setup.abstract_state().params)
   covered = sorted(p for t in expected for p in t.zoo)
   assert covered == sorted(targets), (set(covered) ^ set(targets))  # zoo.hf matches the model.

@@ -21,7 +21,7 @@ import jax
 import ml_collections
 
 from zoo import config as cfg
-from zoo import hlo, perf, sharding, steps, topology
+from zoo import hlo, perf, sharding, topology
 from zoo import setup as setup_lib
 from zoo.data import feed
 from zoo.errors import ConfigError
@@ -80,8 +80,8 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   with setup.scope():
     state = setup.abstract_state()
     platform = devices[0].platform
-    train = compile_step(platform, steps.jit_train_step(setup), state, setup.batch)
-    evaluate = compile_step(platform, steps.jit_eval_step(setup), state, setup.eval_batch())
+    train = compile_step(platform, setup.jit_train_step(), state, setup.batch)
+    evaluate = compile_step(platform, setup.jit_eval_step(), state, setup.eval_batch())
   held = {'params': sharding.per_device_bytes(state.params),
           'optimizer': sharding.per_device_bytes(state.opt_state),
           'model_state': sharding.per_device_bytes(state.model_state),
@@ -229,7 +229,7 @@ def _probe(setup: setup_lib.Setup, per_device: int) -> Compiled:
            for k, v in setup.batch.items()}
   probe = dataclasses.replace(setup, config=config, batch=batch)
   with probe.scope():
-    return compile_step(probe.mesh.devices.flat[0].platform, steps.jit_train_step(probe),
+    return compile_step(probe.mesh.devices.flat[0].platform, probe.jit_train_step(),
                         probe.abstract_state(), batch)
 
 

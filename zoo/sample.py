@@ -21,17 +21,14 @@ way, sampling runs on one device. The same --seed gives the same text on any mes
 """
 import functools
 import json
-import math
-from typing import Any, Sequence
+from typing import Sequence
 
 from absl import flags
 from absl import logging
 import jax
-import ml_collections
 import numpy as np
 
-from zoo import checkpoint, decode, sharding, shell
-from zoo import mesh as mesh_lib
+from zoo import checkpoint, decode, shell
 from zoo import setup as setup_lib
 from zoo import workdir as workdir_lib
 from zoo.data.dataset import Dataset
@@ -87,37 +84,6 @@ def encode_prompt(dataset: Dataset, prompt: str, vocab_size: int) -> np.ndarray:
   return ids
 
 
-def _kv_heads_fitted(logical_params, mesh, rules):
-  """The rules with grouped-query key/value heads replicated if they alone do not split
-  over `mesh` (2 key/value heads, 8 devices); None if other parameters do not split."""
-  fitted = sharding.fit_rules(logical_params, mesh, rules)
-  changed = {name for (name, a), (_, b) in zip(rules, fitted) if a != b}
-  return fitted if changed <= {'kv_heads', 'act_kv_heads'} else None
-
-
-def choose_mesh(mesh_shape: str, axes: tuple, logical_params: Any,
-                rules: tuple) -> tuple[jax.sharding.Mesh, tuple]:
-  """(mesh, rules) to sample on: --mesh_shape, else every device on 'model', else one device."""
-  devices = jax.devices()
-  if mesh_shape:
-    mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh_shape(mesh_shape, axes, len(devices)), axes,
-                              devices)
-    fitted = _kv_heads_fitted(logical_params, mesh, rules)
-    if fitted is None:
-      raise ConfigError(f'--mesh_shape: the parameters do not split over the mesh '
-                        f'{dict(mesh.shape)} '
-                        'under the run\'s logical_axis_rules; choose other sizes')
-    return mesh, fitted
-  if 'model' in axes:
-    mesh = mesh_lib.make_mesh([len(devices) if a == 'model' else 1 for a in axes], axes, devices)
-    fitted = _kv_heads_fitted(logical_params, mesh, rules)
-    if fitted is not None:
-      return mesh, fitted
-  logging.warning('the parameters do not split over %d devices on the model axis; sampling on '
-                  'one device (set --mesh_shape to choose)', len(devices))
-  return mesh_lib.make_mesh([1] * len(axes), axes, devices[:1]), rules
-
-
 def generate(workdir: str, prompts: Sequence[str] = ('',), num_tokens: int = 200,
              temperature: float = 0.8, top_k: int = 0, top_p: float = 1.0, num_samples: int = 1,
              seed: int = 0, mesh_shape: str = '', decoding: str = 'auto') -> list[dict]:
@@ -147,7 +113,7 @@ def generate(workdir: str, prompts: Sequence[str] = ('',), num_tokens: int = 200
       ids, hidden = (dataset.encode('\n') if newline else np.zeros(1, np.int32)), 1
     rows += [(prompt, np.asarray(ids, np.int32), hidden)] * num_samples
   longest = max(len(ids) for _, ids, _ in rows)
-  setup = _sampling_setup(config, dataset, mesh_shape, len(rows))
+  setup = setup_lib.placed(config, dataset, mesh_shape, len(rows), 'sampling')
   fits = longest + num_tokens <= setup.model.max_len
   if decoding == 'cache' and not fits:
     raise ConfigError(f'--decoding: cache: prompt ({longest}) + --num_tokens ({num_tokens}) '
@@ -198,19 +164,6 @@ def generate_text(workdir: str, prompt: str = '', num_chars: int = 200, temperat
   return [s['sample'] for s in generate(workdir, [prompt], num_chars, temperature, top_k,
                                         num_samples=num_samples, seed=seed, mesh_shape=mesh_shape,
                                         **kwargs)]
-
-
-def _sampling_setup(config: ml_collections.ConfigDict, dataset: Dataset, mesh_shape: str,
-                    rows: int) -> setup_lib.Setup:
-  """The run's Setup on the sampling mesh (choose_mesh); the samples are replicated where
-  they do not divide over the batch shards."""
-  axes = tuple(config.mesh.axes)
-  one_device = mesh_lib.make_mesh([1] * len(axes), axes, jax.devices()[:1])
-  logical = setup_lib.build(config, dataset, mesh=one_device)  # For the parameters' names.
-  mesh, rules = choose_mesh(mesh_shape, axes, logical.logical_state.params, logical.rules)
-  if rows % math.prod(mesh.shape[a] for a in sharding.batch_mesh_axes(rules)):
-    rules = [(name, None if name == 'act_batch' else axis) for name, axis in rules]  # Replicate.
-  return setup_lib.build(config, dataset, mesh=mesh, rules=rules)
 
 
 def main(argv: list[str]) -> None:

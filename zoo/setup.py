@@ -9,9 +9,11 @@ which a logical constraint silently does nothing.
 """
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Optional
 
+from absl import logging
 import flax.linen as nn
 import jax
 import ml_collections
@@ -69,6 +71,22 @@ class Setup:
     return jax.jit(lambda rng: nn.meta.unbox(self.init_state(rng)),
                    out_shardings=self.state_shardings)(self.rng)
 
+  def jit_train_step(self) -> Callable[[steps.TrainState, dict], tuple[steps.TrainState, dict]]:
+    """(state, batch) -> (state, metrics), jitted with the shardings; the state is donated
+    and the seed of dropout's keys bound in."""
+    step = functools.partial(steps.train_step, seed=self.config.seed, task=self.task,
+                             microbatches=self.config.train.microbatches)
+    return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
+                   out_shardings=(self.state_shardings, None), donate_argnums=0)
+
+  def jit_eval_step(self) -> Callable[[steps.TrainState, dict], dict]:
+    return jax.jit(functools.partial(steps.eval_step, task=self.task),
+                   in_shardings=(self.state_shardings, self.batch_sharding))
+
+  def jit_check_state(self) -> Callable[[steps.TrainState], dict]:
+    # steps.check_state is looked up when this is called, so tests can replace it.
+    return jax.jit(steps.check_state, in_shardings=(self.state_shardings,))
+
   def param_table(self) -> list[dict]:
     """One row per parameter and BatchNorm statistic: path, shape, dtype, logical axes,
     PartitionSpec, shard shape (see sharding.param_table)."""
@@ -103,6 +121,37 @@ def build(config: ml_collections.ConfigDict, dataset: Dataset,
   return Setup(config, dataset, family, task, mesh, rules, model, optimizer, lr_schedule,
                batch_sharding, init_state, logical_state,
                sharding.logical_shardings(logical_state, mesh, rules), rng, batch)
+
+
+def placed(config: ml_collections.ConfigDict, dataset: Dataset, mesh_shape: str = '',
+           rows: Optional[int] = None, doing: str = 'running') -> Setup:
+  """The Setup of a run whose sizes were chosen elsewhere (a sample, an import or export)
+  on this machine's devices: on `mesh_shape` (--mesh_shape, e.g. '2,4'), by default every
+  device on 'model'. What the parameters cannot split over that mesh is replicated
+  (logged); on the default mesh, if more than grouped-query key/value heads would be, the
+  run goes on one device instead (`doing` names it in the warning). `rows`: a batch's
+  rows, replicated where they do not divide over the batch shards."""
+  axes, devices = tuple(config.mesh.axes), jax.devices()
+  one = mesh_lib.make_mesh([1] * len(axes), axes, devices[:1])
+  logical = build(config, dataset, mesh=one).logical_state.params  # The parameters' names.
+  wanted = sharding.rules_tuple(config.logical_axis_rules)
+  if mesh_shape:
+    mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh_shape(mesh_shape, axes, len(devices)), axes,
+                              devices)
+  else:
+    mesh = mesh_lib.make_mesh([len(devices) if a == 'model' else 1 for a in axes], axes, devices)
+  rules = sharding.fit_rules(logical, mesh, wanted)
+  replicated = [name for (name, a), (_, b) in zip(wanted, rules) if a != b]
+  if not mesh_shape and not set(replicated) <= {'kv_heads', 'act_kv_heads'}:
+    logging.warning('the parameters do not split over %d devices on the model axis; %s on '
+                    'one device (set --mesh_shape to choose)', len(devices), doing)
+    mesh, rules, replicated = one, wanted, []
+  if replicated:
+    logging.info('replicating %s: the parameters do not split over mesh %s', replicated,
+                 dict(mesh.shape))
+  if rows is not None and rows % math.prod(mesh.shape[a] for a in sharding.batch_mesh_axes(rules)):
+    rules = tuple((name, None if name == 'act_batch' else axis) for name, axis in rules)
+  return build(config, dataset, mesh=mesh, rules=rules)
 
 
 def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,

@@ -4,7 +4,7 @@ Every function here is traced under the Setup's scope (mesh + logical axis rules
 model's activation constraints are kept; the jit_* helpers bind a Setup's shardings.
 """
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import flax
 import flax.linen as nn
@@ -13,11 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zoo import checkpoint
 from zoo.tasks import Task
-
-if TYPE_CHECKING:
-  from zoo.setup import Setup
 
 # Variable collections a model updates as it trains (BatchNorm's running statistics):
 # they live in the train state, are sharded like any state and are checkpointed.
@@ -125,25 +121,6 @@ def eval_step(state: TrainState, batch: dict, task: Task) -> dict:
 
 def check_state(state: TrainState) -> dict:
   """The parameter norm, and whether everything a checkpoint saves is finite."""
-  finite = [jnp.isfinite(x).all() for x in jax.tree.leaves(checkpoint.saved_tree(state))]
+  finite = [jnp.isfinite(x).all() for x in jax.tree.leaves(state)]  # What a checkpoint saves.
   return {'train/param_norm': optax.tree.norm(state.params),
           'state_finite': jnp.stack(finite).all()}
-
-
-def jit_train_step(setup: 'Setup') -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """(state, batch) -> (state, metrics), jitted with the Setup's shardings; the state is
-  donated and the seed of dropout's keys bound in."""
-  step = functools.partial(train_step, seed=setup.config.seed, task=setup.task,
-                           microbatches=setup.config.train.microbatches)
-  return jax.jit(step, in_shardings=(setup.state_shardings, setup.batch_sharding),
-                 out_shardings=(setup.state_shardings, None), donate_argnums=0)
-
-
-def jit_eval_step(setup: 'Setup') -> Callable[[TrainState, dict], dict]:
-  return jax.jit(functools.partial(eval_step, task=setup.task),
-                 in_shardings=(setup.state_shardings, setup.batch_sharding))
-
-
-def jit_check_state(setup: 'Setup') -> Callable[[TrainState], dict]:
-  # check_state is looked up when this is called, so tests can replace it.
-  return jax.jit(check_state, in_shardings=(setup.state_shardings,))

@@ -5,8 +5,8 @@ trainer reaches task semantics only through these objects:
 - `inputs`: the batch fields the model takes, in order;
 - `metrics(sums, dataset)`: eval metrics from the summed outputs of zoo.steps.eval_step;
 - `tokens(batch)`: the tokens a train batch trains on (sequence tasks), for tokens/s;
-- `eval_sampler(setup)`: what an eval shows besides metrics (the LM's sample, logged and
-  written to TensorBoard).
+- `eval_sampler(model, dataset, mesh, seed, temperature)`: what an eval shows besides
+  metrics (the LM's sample, logged and written to TensorBoard).
 """
 import functools
 import math
@@ -21,7 +21,6 @@ from zoo import decode
 if TYPE_CHECKING:
   from zoo.data.dataset import Dataset
   from zoo.metrics import MetricWriter
-  from zoo.setup import Setup
 
 
 class Task:
@@ -42,10 +41,11 @@ class Task:
   def tokens(self, batch: dict) -> Optional[int]:
     return math.prod(batch['targets'].shape) if self.sequences else None
 
-  def eval_sampler(self, setup: 'Setup') -> Optional[Callable[[Any, int, 'MetricWriter'], None]]:
+  def eval_sampler(self, model: Any, dataset: 'Dataset', mesh: jax.sharding.Mesh, seed: int,
+                   temperature: float) -> Optional[Callable[[Any, int, 'MetricWriter'], None]]:
     """(params, step, writer) -> None, run after each eval's metrics are written; None:
     the task shows nothing else."""
-    del setup
+    del model, dataset, mesh, seed, temperature
     return None
 
 
@@ -62,22 +62,21 @@ class LanguageModel(Task):
       result['eval/bits_per_byte'] = float(sums['loss'] / math.log(2) / sums['bytes'])
     return result
 
-  def eval_sampler(self, setup: 'Setup') -> Callable[[Any, int, 'MetricWriter'], None]:
+  def eval_sampler(self, model: Any, dataset: 'Dataset', mesh: jax.sharding.Mesh, seed: int,
+                   temperature: float) -> Callable[[Any, int, 'MetricWriter'], None]:
     """Continues the first quarter of the first held-out window (the same on every
     process), logs `sample at step N: prompt -> continuation` and writes it as text."""
-    tokens = next(iter(setup.dataset.eval_batches(1, slice(0, 1))))['inputs']  # [1, seq_len]
+    tokens = next(iter(dataset.eval_batches(1, slice(0, 1))))['inputs']  # [1, seq_len]
     prompt_len = tokens.shape[1] // 4
-    replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-    gen = jax.jit(functools.partial(decode.generate, setup.model.apply, prompt_len=prompt_len,
-                                    window=setup.model.max_len,
-                                    temperature=setup.config.eval.sample_temperature),
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    gen = jax.jit(functools.partial(decode.generate, model.apply, prompt_len=prompt_len,
+                                    window=model.max_len, temperature=temperature),
                   out_shardings=replicated)
 
     def sample(params, step, writer):
-      rng = jax.random.fold_in(jax.random.key(setup.config.seed), step)
+      rng = jax.random.fold_in(jax.random.key(seed), step)
       out = np.asarray(gen({'params': params}, tokens, rng=rng))
-      prompt, text = (setup.dataset.decode(out[0, :prompt_len]),
-                      setup.dataset.decode(out[0, prompt_len:]))
+      prompt, text = dataset.decode(out[0, :prompt_len]), dataset.decode(out[0, prompt_len:])
       logging.info('sample at step %d: %r -> %r', step, prompt, text)
       writer.text(step, 'eval/sample', prompt + ' -> ' + text)
     return sample

@@ -45,7 +45,8 @@ class Reporter:
   def __init__(self, setup: setup_lib.Setup, writer: metrics.MetricWriter, cost: dict,
                start_step: int):
     self.setup, self.writer, self.cost = setup, writer, cost
-    self.sampler = setup.task.eval_sampler(setup)
+    self.sampler = setup.task.eval_sampler(setup.model, setup.dataset, setup.mesh,
+                                           setup.config.seed, setup.config.eval.sample_temperature)
     self.pending: Optional[tuple] = None
     self.clock_time, self.clock_step, self.data_wait = time.perf_counter(), start_step, 0.0
 
@@ -125,14 +126,14 @@ def compile_steps(setup: setup_lib.Setup, state: steps.TrainState) -> tuple:
   """(train step, state check, eval step, step cost): the first two compiled for `state`;
   the cost (zoo.perf) with the devices' peak, logged."""
   t0 = time.perf_counter()
-  train_step = steps.jit_train_step(setup).lower(state, setup.batch).compile()
+  train_step = setup.jit_train_step().lower(state, setup.batch).compile()
   logging.info('compiled the train step in %.1f s', time.perf_counter() - t0)
-  check_step = steps.jit_check_state(setup).lower(state).compile()
+  check_step = setup.jit_check_state().lower(state).compile()
   cost = perf.step_cost(setup, state, train_step)
   cost['peak_flops_per_device'], cost['peak_source'] = perf.peak_flops(
       setup.config.perf.peak_flops_per_device)
   logging.info('%s', perf.format_cost(cost))
-  return train_step, check_step, steps.jit_eval_step(setup), cost
+  return train_step, check_step, setup.jit_eval_step(), cost
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps.TrainState:
@@ -158,7 +159,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> step
   with setup.scope(), contextlib.ExitStack() as cleanup:  # Cleanups all run, last first.
     owner = lease.hold(workdir, config.checkpoint.lease_seconds)  # Or exits: another job has it.
     cleanup.callback(owner.release)
-    state, manager = checkpoint.restore_or_init(setup, workdir)  # From here the workdir is written.
+    # From here the workdir is written.
+    state, manager = checkpoint.restore_or_init(
+        workdir, setup.abstract_state(), setup.create_state, setup.config.checkpoint)
     saver = checkpoint.Saver(manager)
     cleanup.callback(saver.close)  # Waits for the last save: a failure raises from here.
     start = int(state.step)

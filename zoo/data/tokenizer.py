@@ -9,7 +9,6 @@
 the measure that compares models whatever their tokenizer.
 """
 import json
-import os
 import re
 from typing import Iterable, Iterator
 
