@@ -30,8 +30,10 @@ import jax  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import orbax.checkpoint as ocp  # pylint: disable=wrong-import-position
 
-from zoo import checkpoint, data, setup  # pylint: disable=wrong-import-position
-from zoo.config import load_experiment  # pylint: disable=wrong-import-position
+from zoo import data
+from zoo.run import setup
+from zoo.run.config import load_experiment  # pylint: disable=wrong-import-position
+from zoo.store import checkpoint  # pylint: disable=wrong-import-position
 
 EXPERIMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), '..', 'experiments')
 

@@ -5,8 +5,8 @@ r"""Decoding and import benchmark: KV-cache tokens/s, and host memory of a large
 Prints a table per part and writes them as JSON (one CPU device):
   decode   a decoder LM (4 layers, d=128, 8 heads, vocabulary 8,192, max_len 1,024) with
            random weights continues a 512-token prompt by 512 tokens, greedily: the
-           key/value cache (zoo.decode.generate_cached: prefill, then one token per step)
-           against recomputing the window per token (zoo.decode.generate); compile excluded,
+           key/value cache (zoo.models.decode.generate_cached: prefill, then one token per step)
+           against recomputing the window per token (zoo.models.decode.generate); compile excluded,
            best of --repeats for the cache, one run for the recompute path (minutes long);
            batch 1 and 8 (goal: >= 10x)
   import   a generated ~300M-parameter Llama-layout checkpoint (float32 safetensors in 3
@@ -38,7 +38,7 @@ LLAMA = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hid
 def decode(repeats):
   import functools  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
-  from zoo import decode as dec  # pylint: disable=import-outside-toplevel
+  from zoo.models import decode as dec  # pylint: disable=import-outside-toplevel
   from zoo.models.transformer_lm import TransformerLM  # pylint: disable=import-outside-toplevel
   model = TransformerLM(vocab_size=8192, num_layers=4, d_model=128, num_heads=8, mlp_dim=512,
                         max_len=1024, positions='rotary')
@@ -78,7 +78,7 @@ def decode(repeats):
 def write_llama(directory):
   """A Llama-layout HF directory of random float32 weights, written shard by shard."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
-  from zoo import hf  # pylint: disable=import-outside-toplevel
+  from zoo.hf import layouts as hf  # pylint: disable=import-outside-toplevel
   from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   os.makedirs(directory, exist_ok=True)
   config = {'model_type': 'llama', 'architectures': ['LlamaForCausalLM'], **LLAMA}
@@ -108,20 +108,20 @@ _MEASURE = r'''
 import os, resource, sys, time
 os.environ['JAX_PLATFORMS'] = 'cpu'
 sys.path.insert(0, sys.argv[3])
-from zoo import convert
+from zoo.hf import transfer
 def rss():  # Current resident set, MB.
   with open('/proc/self/statm') as f:
     return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20
 import jax
 jax.numpy.zeros(1).block_until_ready()
-original = convert._read
+original = transfer._read
 state = {}
 def first_read(*args):  # The process just before the first tensor: imports, setup, compile.
   state.setdefault('before', rss())
   return original(*args)
-convert._read = first_read
+transfer._read = first_read
 t0 = time.perf_counter()
-convert.import_model(sys.argv[1], sys.argv[2])
+transfer.import_model(sys.argv[1], sys.argv[2])
 print('RESULT', state['before'], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
       time.perf_counter() - t0)
 '''

@@ -21,9 +21,12 @@ def main():
   os.environ['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={args.devices}'
   os.environ['JAX_PLATFORMS'] = 'cpu'
   import jax  # pylint: disable=import-outside-toplevel
-  from zoo import checkpoint, data, setup, sharding  # pylint: disable=import-outside-toplevel
-  from zoo import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
+  from zoo.store import checkpoint  # pylint: disable=import-outside-toplevel
+  from zoo import data
+  from zoo.run import setup
+  from zoo.parallel import sharding
+  from zoo.parallel import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from zoo.run.config import load_experiment  # pylint: disable=import-outside-toplevel
 
   config = load_experiment(os.path.join(REPO, 'experiments', f'{args.experiment}.py'))
   dataset = data.load(config.data, config.seed)

@@ -45,8 +45,8 @@ SEQ = 8192
 
 
 def config_for(model, mesh, variant, devices, slices=1, seq=SEQ, per_device=1):
-  from zoo import sharding  # pylint: disable=import-outside-toplevel
-  from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
+  from zoo.parallel import sharding  # pylint: disable=import-outside-toplevel
+  from zoo.run.config import load_experiment  # pylint: disable=import-outside-toplevel
   arg, fields = MODELS[model]
   shape, fsdp = MESHES[mesh]
   c = load_experiment(os.path.join(REPO, 'experiments', 'char_lm.py'), arg)
@@ -65,7 +65,8 @@ def _collectives(rows):
 
 
 def plans(out):
-  from zoo import plan, topology  # pylint: disable=import-outside-toplevel
+  from zoo.run import plan  # pylint: disable=import-outside-toplevel
+  from zoo.parallel import topology
   done = {(r['target'], r['model'], r['mesh'], r['variant']) for r in out.get('plans', [])}
   for name, slices in TARGETS:
     target = topology.parse(name, slices)
@@ -117,7 +118,7 @@ def cpu(out):
 
 
 def _cpu_rows(out):
-  from zoo import plan  # pylint: disable=import-outside-toplevel
+  from zoo.run import plan  # pylint: disable=import-outside-toplevel
   rows = []
   for model in MODELS:
     for mesh in MESHES:
@@ -133,8 +134,9 @@ def _cpu_rows(out):
 
 
 def maxtext(out):
-  from zoo import plan, topology  # pylint: disable=import-outside-toplevel
-  from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
+  from zoo.run import plan  # pylint: disable=import-outside-toplevel
+  from zoo.parallel import topology
+  from zoo.run.config import load_experiment  # pylint: disable=import-outside-toplevel
   maxtext_batch = {('v5p-64', 2048): 97, ('v5litepod-256', 2048): 18, ('v5p-64', 8192): 22}
   for (name, seq), theirs in maxtext_batch.items():
     target = topology.parse(name)

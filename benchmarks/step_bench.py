@@ -12,7 +12,7 @@ By default on 8 emulated CPU devices, it prints one table per part and writes th
             (4,2), (2,4). Both get the same device-resident batch; blocks of --steps steps
             alternate between the two, --repeats times. The ratio is of the best blocks
             (noise on a shared machine only adds time); medians are in the JSON. Goal <= 1.05x.
-            MFU is model FLOPs (zoo.perf) / step time / the devices' peak (zoo.perf: on
+            MFU is model FLOPs (zoo.run.perf) / step time / the devices' peak (zoo.run.perf: on
             CPU this host's measured f32 matmul peak; else the data sheet's bf16 peak).
   compile   seconds to lower and compile the train step of char_lm's width at 4 and 48
             layers, unrolled and under nn.scan (no persistent cache).
@@ -49,9 +49,10 @@ import jax.numpy as jnp  # pylint: disable=wrong-import-position
 import numpy as np  # pylint: disable=wrong-import-position
 import optax  # pylint: disable=wrong-import-position
 
-from zoo import data, perf, setup  # pylint: disable=wrong-import-position
+from zoo import data  # pylint: disable=wrong-import-position
 from zoo.data import feed  # pylint: disable=wrong-import-position
-from zoo.config import load_experiment  # pylint: disable=wrong-import-position
+from zoo.run import perf, setup
+from zoo.run.config import load_experiment  # pylint: disable=wrong-import-position
 
 EXPERIMENTS = os.path.join(ROOT, 'experiments')
 MESHES = ((8, 1), (4, 2), (2, 4))

@@ -23,7 +23,7 @@ minutes on a 2-core CPU (one device, whole command; the README's results table h
 byte-level model on the same files). `:smoke`: seconds, on any token
 dataset given as --config.data.path.
 """
-from zoo.config import base_config
+from zoo.run.config import base_config
 
 
 def get_config(arg=None):

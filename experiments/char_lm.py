@@ -17,8 +17,8 @@ accelerator: this corpus is far too small to train them well. Plan one before ru
 """
 from ml_collections.config_dict import placeholder
 
-from zoo.config import base_config
-from zoo.sharding import fsdp_rules
+from zoo.parallel.sharding import fsdp_rules
+from zoo.run.config import base_config
 
 
 def get_config(arg=None):

@@ -5,7 +5,7 @@ r"""LeNet-style CNN on the scikit-learn handwritten digits (8x8).
 Expect: 97.8% test accuracy after 1,000 steps, about 14 s on a 2-core CPU (one device,
 whole command). `:smoke` runs 60 steps in seconds and reaches ~75%.
 """
-from zoo.config import base_config
+from zoo.run.config import base_config
 
 
 def get_config(arg=None):

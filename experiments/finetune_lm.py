@@ -16,8 +16,8 @@ model trained by `bpe_lm:gpt2`, exported, imported and fine-tuned on the Python 
 """
 import json
 
-from zoo import storage
-from zoo.config import base_config
+from zoo.run.config import base_config
+from zoo.store import storage
 
 
 def get_config(arg=None):

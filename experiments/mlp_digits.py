@@ -5,7 +5,7 @@ r"""MLP on the scikit-learn handwritten digits (8x8), Megatron-style hidden laye
 Expect: 98.6% test accuracy after 1,000 steps, about 6 s on a 2-core CPU (one device,
 whole command). `:smoke` runs 60 steps in seconds and reaches ~90%.
 """
-from zoo.config import base_config
+from zoo.run.config import base_config
 
 
 def get_config(arg=None):

@@ -7,7 +7,7 @@ global batch on any mesh, kept in the train state and checkpointed; eval uses th
 running averages. Expect: 99.7% test accuracy after 1,000 steps, about 65 s on a 2-core
 CPU (one device, whole command). `:smoke`: one block per stage, seconds.
 """
-from zoo.config import base_config
+from zoo.run.config import base_config
 
 
 def get_config(arg=None):

@@ -4,12 +4,12 @@ r"""Encoder-decoder Transformer learning to sort 8 digits, a task with a known a
 
 Source "31415926" (8 tokens), target "11234569", drawn fresh every step; 1000 held-out
 sources (disjoint from training, see zoo/data/seq.py) are scored by exact match: the
-fraction sorted entirely right, which equals greedy decoding's (see zoo.tasks.Seq2Seq).
+fraction sorted entirely right, which equals greedy decoding's (see zoo.run.tasks.Seq2Seq).
 Expect: 100% exact match (98.4% at step 500) in about 3 minutes on a 2-core CPU.
 `--config.data.problem=add --config.data.digits=5` learns 5-digit addition instead (much
 harder for this small model, see README), `reverse` reverses. `:smoke`: seconds.
 """
-from zoo.config import base_config
+from zoo.run.config import base_config
 
 
 def get_config(arg=None):

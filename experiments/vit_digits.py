@@ -6,7 +6,7 @@ r"""Vision Transformer on the scikit-learn handwritten digits (8x8, 2x2 patches)
 'model' mesh axis. Expect: 98.3% test accuracy after 1,500 steps, about 2 minutes on a
 2-core CPU (one device, whole command). `:smoke`: one small block, seconds.
 """
-from zoo.config import base_config
+from zoo.run.config import base_config
 
 
 def get_config(arg=None):

@@ -3,7 +3,7 @@ import jax
 import numpy as np
 
 from conftest import trainer
-from zoo import checkpoint
+from zoo.store import checkpoint
 
 
 def _stats(t):

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import experiment, load_config, read_metrics, run_cli
-from zoo import checkpoint, data, setup, train
+from zoo import data
 from zoo.errors import CheckpointError
+from zoo.run import setup, train
+from zoo.store import checkpoint
 
 N = 6  # Steps before the stop; the runs go to 2N.
 

@@ -17,10 +17,10 @@ import ml_collections
 import pytest
 
 from conftest import load_config
-from zoo import config as cfg
 from zoo import data
-from zoo import setup as setup_lib
 from zoo.errors import ConfigError
+from zoo.run import config as cfg
+from zoo.run import setup as setup_lib
 
 EXPERIMENTS = ('mlp_digits', 'cnn_digits', 'resnet_digits', 'vit_digits', 'seq_sort', 'char_lm',
                'bpe_lm')

@@ -5,9 +5,9 @@ import re
 import pytest
 
 from conftest import experiment, load_config, run_cli
-from zoo import train
-from zoo import sharding
 from zoo.errors import ConfigError, NonFiniteError, ZooError
+from zoo.parallel import sharding
+from zoo.run import train
 
 BAD_INPUTS = {
     'unknown model': ({'model.name': 'gpt5'}, r"config\.model\.name: unknown model 'gpt5'; known: mlp, cnn, resnet, vit, transformer_lm, encoder_decoder"),

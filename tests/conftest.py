@@ -30,7 +30,7 @@ def experiment(name):
 
 def load_config(name, arg='smoke', **overrides):
   """An experiment's config with dotted overrides, e.g. {'train.steps': 5}."""
-  from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
+  from zoo.run.config import load_experiment  # pylint: disable=import-outside-toplevel
   config = load_experiment(experiment(name), arg)
   for key, value in overrides.items():
     *groups, leaf = key.split('.')
@@ -86,7 +86,8 @@ class Trainer:
   """An experiment's Setup, state and jitted steps on its mesh, in process, for numerics tests."""
 
   def __init__(self, config):
-    from zoo import config as cfg, data, setup  # pylint: disable=import-outside-toplevel
+    from zoo.run import config as cfg, setup  # pylint: disable=import-outside-toplevel
+    from zoo import data
     from zoo.data import feed  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
     cfg.validate(config, jax.device_count())  # No test runs a config that a user could not.

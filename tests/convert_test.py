@@ -13,10 +13,14 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from zoo import checkpoint, convert, sample, setup as setup_lib, sharding
-from zoo import mesh as mesh_lib
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.errors import ConfigError
+from zoo.hf import transfer
+from zoo.parallel import mesh as mesh_lib
+from zoo.parallel import sharding
+from zoo.run import sampling
+from zoo.run import setup as setup_lib
+from zoo.store import checkpoint
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -63,7 +67,7 @@ def hf_dirs(tmp_path_factory):
 def imported(hf_dirs, tmp_path_factory):
   """Each model imported onto every device on 'model' (grouped keys and values replicated)."""
   root = tmp_path_factory.mktemp('imported')
-  return {name: (str(root / name), convert.import_model(path, str(root / name)))
+  return {name: (str(root / name), transfer.import_model(path, str(root / name)))
           for name, (path, _) in hf_dirs.items()}
 
 
@@ -125,16 +129,16 @@ def test_import_reads_sharded_and_bfloat16_checkpoints(how, hf_dirs, tmp_path, d
   source = tmp_path / how
   if how == 'sharded':
     model.save_pretrained(source, max_shard_size='40KB')
-    with open(source / convert.INDEX, encoding='utf-8') as f:
+    with open(source / transfer.INDEX, encoding='utf-8') as f:
       assert len(set(json.load(f)['weight_map'].values())) > 2
-    assert not (source / convert.WEIGHTS).exists()
+    assert not (source / transfer.WEIGHTS).exists()
   else:
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dirs['llama'][0],
                                                           dtype=torch.bfloat16)
     model.save_pretrained(source)
     model = transformers.LlamaForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
   tokenizer_lib.bytes_tokenizer().save(str(source / 'tokenizer.json'))
-  placed = convert.import_model(str(source), str(tmp_path / 'run'))
+  placed = transfer.import_model(str(source), str(tmp_path / 'run'))
   with placed.scope():
     params, _, _ = checkpoint.restore_params(str(tmp_path / 'run'),
                                              placed.abstract_state().params)
@@ -160,10 +164,10 @@ def test_export_writes_shards_of_max_shard_gib(imported, hf_dirs, tmp_path):
                            f'--max_shard_gib={limit / 2**30}'], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=180, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
-  with open(out / convert.INDEX, encoding='utf-8') as f:
+  with open(out / transfer.INDEX, encoding='utf-8') as f:
     weight_map = json.load(f)['weight_map']
   files = sorted(set(weight_map.values()))
-  assert len(files) > 2 and not (out / convert.WEIGHTS).exists()
+  assert len(files) > 2 and not (out / transfer.WEIGHTS).exists()
   with safe_open(os.path.join(hf_dirs['llama'][0], 'model.safetensors'), 'np') as original:
     assert set(weight_map) == set(original.keys())
     for file in files:
@@ -185,7 +189,7 @@ def test_export_loads_in_transformers_and_round_trips_bit_for_bit(name, hf_dirs,
   from safetensors import safe_open  # pylint: disable=import-outside-toplevel
   workdir, _ = imported[name]
   out = tmp_path / 'exported'
-  convert.export_model(workdir, str(out))
+  transfer.export_model(workdir, str(out))
   with safe_open(os.path.join(hf_dirs[name][0], 'model.safetensors'), 'np') as a, \
       safe_open(str(out / 'model.safetensors'), 'np') as b:
     assert set(a.keys()) == set(b.keys())
@@ -201,7 +205,7 @@ def test_export_loads_in_transformers_and_round_trips_bit_for_bit(name, hf_dirs,
 def test_greedy_sampling_equals_hf_generate(name, hf_dirs, imported, devices):
   del devices
   workdir, _ = imported[name]
-  samples = sample.generate(workdir, ['Hello wor', 'abc'], 16, temperature=0.0)
+  samples = sampling.generate(workdir, ['Hello wor', 'abc'], 16, temperature=0.0)
   model = hf_dirs[name][1]
   for s in samples:
     ids = torch.tensor([s['prompt_ids']])
@@ -262,20 +266,20 @@ def test_bad_hf_dirs_are_named_and_nothing_is_written(how, message, hf_dirs, tmp
   del devices
   path = _broken(hf_dirs['llama'][0], tmp_path, how)
   with pytest.raises(ConfigError, match=message):
-    convert.import_model(path, str(tmp_path / 'run'))
+    transfer.import_model(path, str(tmp_path / 'run'))
   assert not (tmp_path / 'run').exists()
 
 
 def test_export_refuses_a_model_without_a_hf_layout(tmp_path, devices):
   from conftest import load_config  # pylint: disable=import-outside-toplevel
-  from zoo import train  # pylint: disable=import-outside-toplevel
+  from zoo.run import train  # pylint: disable=import-outside-toplevel
   del devices
   workdir = str(tmp_path / 'char')
   train.train_and_evaluate(load_config('char_lm', **{'train.steps': 1, 'eval.max_batches': 1,
                                                      'checkpoint.async_save': False}), workdir)
   with pytest.raises(ConfigError, match=r"matches none of the layouts export writes \(gpt2, llama, "
                                         r'vit'):
-    convert.export_model(workdir, str(tmp_path / 'out'))
+    transfer.export_model(workdir, str(tmp_path / 'out'))
   assert not (tmp_path / 'out').exists()
 
 
@@ -284,7 +288,7 @@ def test_fine_tuning_an_import_lowers_the_loss_and_resumes_exactly(hf_dirs, impo
   """experiments/finetune_lm.py:smoke on the imported GPT-2, on a token dataset made with its
   own tokenizer: it starts from the import's params, learns, and a stopped run resumes."""
   from conftest import experiment, read_metrics  # pylint: disable=import-outside-toplevel
-  from zoo import config as cfg, train  # pylint: disable=import-outside-toplevel
+  from zoo.run import config as cfg, train  # pylint: disable=import-outside-toplevel
   del devices
   workdir, _ = imported['gpt2']
   docs = tmp_path / 'docs.jsonl'
@@ -318,7 +322,7 @@ def test_a_zoo_trained_gpt2_layout_exports_to_transformers(tmp_path, devices):
   """bpe_lm:smoke,gpt2 trained by zoo (not imported), exported: transformers computes zoo's
   logits."""
   from conftest import load_config  # pylint: disable=import-outside-toplevel
-  from zoo import train  # pylint: disable=import-outside-toplevel
+  from zoo.run import train  # pylint: disable=import-outside-toplevel
   del devices
   docs = tmp_path / 'docs.jsonl'
   docs.write_text(''.join(json.dumps({'text': f'{i}: pack my box with five dozen jugs. ' * 3}) + '\n'
@@ -332,7 +336,7 @@ def test_a_zoo_trained_gpt2_layout_exports_to_transformers(tmp_path, devices):
                                                    'train.steps': 10, 'mesh.shape': (4, 2),
                                                    'checkpoint.async_save': False})
   train.train_and_evaluate(config, workdir)
-  convert.export_model(workdir, str(tmp_path / 'hf'))
+  transfer.export_model(workdir, str(tmp_path / 'hf'))
   model = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / 'hf')).eval()
   eos = tokenizer_lib.load(str(tmp_path / 'hf' / 'tokenizer.json')).token_to_id(
       '<|endoftext|>')  # The trained tokenizer's end token, not GPT-2's default 50256.

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from conftest import REPO, experiment
-from zoo import distributed
+from zoo.parallel import distributed
 
 
 @pytest.mark.parametrize('cores,devices', [(1, 1), (2, 2), (3, 2), (6, 4), (16, 16)])

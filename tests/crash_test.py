@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import REPO, experiment, load_config, read_metrics, run_cli
-from zoo import train
+from zoo.run import train
 
 STEPS = 40
 FLAGS = {'train.steps': STEPS, 'train.log_every_steps': 1, 'eval.every_steps': STEPS,

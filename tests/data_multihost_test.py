@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from conftest import REPO, experiment, load_config, read_metrics, run_cli
-from zoo import train
 from zoo.data import digits
+from zoo.run import train
 
 STEPS = 4  # Checkpoints at STEPS and 2 * STEPS.
 DOCUMENTS = [f'Document {i}. ' + 'Pack my box with five dozen liquor jugs. ' * (3 + i % 5)

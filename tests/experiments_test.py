@@ -6,7 +6,7 @@ import os
 import pytest
 
 from conftest import load_config, read_metrics
-from zoo import train
+from zoo.run import train
 
 # name -> (held-out metric, what the smoke run must reach: it learns beyond chance).
 EXPERIMENTS = {

@@ -2,7 +2,7 @@
 import numpy as np
 
 from conftest import load_config, trainer
-from zoo import sharding
+from zoo.parallel import sharding
 
 
 def test_fsdp_preset_splits_state_bytes_and_keeps_the_losses(devices):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, experiment, load_config, read_metrics
-from zoo import train
+from zoo.run import train
 
 BUCKET = 'zoo-test'
 LONG = 100_000  # The killed run's length: it is alive until killed.
@@ -81,7 +81,7 @@ def _cli(*args):
 
 
 def _read(url):
-  from zoo import storage  # pylint: disable=import-outside-toplevel
+  from zoo.store import storage  # pylint: disable=import-outside-toplevel
   return storage.read_text(url)
 
 
@@ -115,7 +115,7 @@ def test_run_killed_and_resumed_in_a_bucket_equals_a_straight_run(gcs, tmp_path,
     proc.wait(timeout=30)
   assert second.returncode != 0
   assert f'zoo: error: --workdir: {url} is owned by a live job' in second.stderr.splitlines()[-1]
-  from zoo import storage  # pylint: disable=import-outside-toplevel
+  from zoo.store import storage  # pylint: disable=import-outside-toplevel
   # The newest listed step may be incomplete (in a bucket orbax marks completion with a
   # file, not a rename); the run resumes from the newest complete one, at most this.
   steps = max(int(n) for n in storage.listdir(f'{url}/checkpoints') if n.isdigit()) + 4
@@ -134,7 +134,7 @@ def test_run_killed_and_resumed_in_a_bucket_equals_a_straight_run(gcs, tmp_path,
     expected = {r['step']: r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r}
   assert _losses(url) == expected  # Exact, every step once.
 
-  from zoo import storage  # pylint: disable=import-outside-toplevel
+  from zoo.store import storage  # pylint: disable=import-outside-toplevel
   names = storage.listdir(url)
   for name in ('config.json', 'model_info.json', 'metrics.jsonl', 'checkpoints', 'profile'):
     assert name in names, names
@@ -156,7 +156,9 @@ def test_run_killed_and_resumed_in_a_bucket_equals_a_straight_run(gcs, tmp_path,
                                    'optimizer.warmup_steps': 5})
   state = train.train_and_evaluate(warm, str(tmp_path / 'warm'))
   assert int(state.step) == 1
-  from zoo import checkpoint, data, setup  # pylint: disable=import-outside-toplevel
+  from zoo.store import checkpoint  # pylint: disable=import-outside-toplevel
+  from zoo import data
+  from zoo.run import setup
   placed = setup.build(warm, data.load(warm.data, warm.seed))
   with placed.scope():
     source, step, _ = checkpoint.restore_params(url, placed.abstract_state().params)

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, experiment, read_metrics, run_cli
 from crash_test import _start, _wait_for_step
 from storage_test import ORBAX_INFO
-from zoo import lease
+from zoo.store import lease
 
 
 def _args(workdir, steps):
@@ -133,7 +133,7 @@ def test_jobs_starting_together_have_one_winner(tmp_path):
   script = textwrap.dedent(f"""
       import sys, time
       sys.path.insert(0, {REPO!r})
-      from zoo import lease
+      from zoo.store import lease
       owner = lease.Lease({str(tmp_path)!r}, 60.0)
       while time.time() < float(sys.argv[1]):  # Start together.
         pass

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from conftest import load_config, read_metrics, trainer
-from zoo import steps, train
 from zoo.data import feed
 from zoo.errors import NonFiniteError
+from zoo.run import steps, train
 
 
 def test_prefetch_yields_batches_in_order_from_another_thread():

@@ -1,7 +1,7 @@
 """metrics.jsonl keeps each step once across resumes, even after a torn last line."""
 import json
 
-from zoo import metrics
+from zoo.store import metrics
 
 
 def test_resume_drops_rows_past_the_start_step_and_torn_lines(tmp_path):
@@ -30,7 +30,7 @@ def test_format_duration():
 _DEAD_WRITER = r"""
 import errno, json, sys, threading, time
 from tensorboardX import record_writer
-from zoo import metrics
+from zoo.store import metrics
 
 def full_disk(self, data):
   raise OSError(errno.ENOSPC, 'No space left on device')

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, experiment, load_config, read_metrics, run_cli
-from zoo import train
+from zoo.run import train
 
 STEPS = 6
 FLAGS = [f'--config={experiment("mlp_digits")}:smoke', '--config.train.log_every_steps=1',

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from conftest import load_config, read_metrics
-from zoo import train
 from zoo.errors import ConfigError
+from zoo.run import train
 
 
 @pytest.fixture(scope='module')

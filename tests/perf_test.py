@@ -1,11 +1,12 @@
-"""FLOPs per step (zoo.perf's conventions), the peak table, and MFU's ingredients."""
+"""FLOPs per step (zoo.run.perf's conventions), the peak table, and MFU's ingredients."""
 import jax
 import jax.numpy as jnp
 import pytest
 
 from conftest import load_config
-from zoo import data, perf, setup
-from zoo import mesh as mesh_lib
+from zoo import data
+from zoo.parallel import mesh as mesh_lib
+from zoo.run import perf, setup
 
 
 def _one_device_cost(compiled=True, **overrides):

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from conftest import load_config, run_cli, trainer, experiment
-from zoo import hlo, plan
+from zoo.parallel import hlo
+from zoo.run import plan
 
 
 def _device0_bytes(tree):

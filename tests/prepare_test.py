@@ -13,9 +13,9 @@ import pytest
 import tokenizers
 
 from conftest import REPO, load_config
-from zoo import train
 from zoo.data import tokens
 from zoo.errors import ConfigError
+from zoo.run import train
 
 DOCUMENTS = [f'def function_{i}(x):\n    return x * {i}  # caf\u00e9\n' * (1 + i % 4) for i in range(40)]
 

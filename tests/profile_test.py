@@ -5,7 +5,7 @@ import json
 import os
 
 from conftest import load_config
-from zoo import train
+from zoo.run import train
 
 
 def test_profile_traces_the_chosen_steps(tmp_path, devices):

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from conftest import REPO, load_config, read_metrics
-from zoo import checkpoint, data, train
+from zoo import data
 from zoo.data import digits, records
 from zoo.errors import ConfigError
+from zoo.run import train
+from zoo.store import checkpoint
 
 
 def prepare(root, output, *args):

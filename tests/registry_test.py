@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 
 from conftest import read_metrics
-from zoo import config as cfg
-from zoo import data, models, train
+from zoo import data, models
 from zoo.data.dataset import DataSource, arrays_dataset
 from zoo.errors import ConfigError, fail
 from zoo.models import layers
 from zoo.models.family import ModelFamily
+from zoo.run import config as cfg
+from zoo.run import train
 
 
 class Toy(nn.Module):

@@ -8,8 +8,10 @@ import sys
 import pytest
 
 from conftest import REPO, count_calls, load_config
-from zoo import decode, sample, train
 from zoo.errors import CheckpointError, ConfigError
+from zoo.models import decode
+from zoo.run import sampling
+from zoo.run import train
 
 PROMPT = 'The '
 NUM_CHARS = 50  # Beyond the smoke model's max_len of 32: the context slides.
@@ -35,7 +37,7 @@ def lm_workdir(tmp_path_factory):
 
 
 def _greedy(workdir, **kwargs):
-  return sample.generate_text(workdir, PROMPT, NUM_CHARS, temperature=0.0, **kwargs)
+  return sampling.generate_text(workdir, PROMPT, NUM_CHARS, temperature=0.0, **kwargs)
 
 
 def test_greedy_is_the_same_on_one_and_eight_devices(lm_workdir, devices):
@@ -60,24 +62,24 @@ def test_the_cache_gives_the_same_tokens_on_every_mesh(lm_workdir, temperature, 
   del devices
   prompts, num_tokens = ['The ', 'x = '], 20  # 4 + 20 <= max_len 32.
   options = dict(num_samples=4, seed=7, temperature=temperature)  # 8 rows: split over 'batch'.
-  want = [s['ids'] for s in sample.generate(lm_workdir, prompts, num_tokens, decoding='recompute',
+  want = [s['ids'] for s in sampling.generate(lm_workdir, prompts, num_tokens, decoding='recompute',
                                             **options)]
   assert len(set(map(tuple, want))) > 2 if temperature else len(set(map(tuple, want))) == 2
   cached = count_calls(monkeypatch, decode, 'generate_cached')
   for mesh_shape in ('8,1', '4,2', '2,4', '1,8'):
-    got = sample.generate(lm_workdir, prompts, num_tokens, mesh_shape=mesh_shape, **options)
+    got = sampling.generate(lm_workdir, prompts, num_tokens, mesh_shape=mesh_shape, **options)
     assert [s['ids'] for s in got] == want, mesh_shape
   assert len(cached) == 4  # Every mesh decoded from the cache.
 
 
 def test_top_1_equals_greedy(lm_workdir, devices):
-  assert (sample.generate_text(lm_workdir, PROMPT, NUM_CHARS, temperature=1.0, top_k=1)
+  assert (sampling.generate_text(lm_workdir, PROMPT, NUM_CHARS, temperature=1.0, top_k=1)
           == _greedy(lm_workdir))
 
 
 def test_seed_gives_the_same_samples_on_any_mesh(lm_workdir, devices):
   def draw(seed, mesh_shape=''):
-    return sample.generate_text(lm_workdir, PROMPT, NUM_CHARS, temperature=0.8, num_samples=3,
+    return sampling.generate_text(lm_workdir, PROMPT, NUM_CHARS, temperature=0.8, num_samples=3,
                                 seed=seed, mesh_shape=mesh_shape)
   texts = draw(seed=3)
   assert len(set(texts)) == 3 and all(t.startswith(PROMPT) for t in texts)
@@ -87,7 +89,7 @@ def test_seed_gives_the_same_samples_on_any_mesh(lm_workdir, devices):
 
 
 def test_empty_prompt_starts_from_a_newline(lm_workdir, devices):
-  [text] = sample.generate_text(lm_workdir, '', 10, temperature=0.0)
+  [text] = sampling.generate_text(lm_workdir, '', 10, temperature=0.0)
   assert len(text) == 10  # The newline it starts from is not returned.
 
 
@@ -101,7 +103,7 @@ def test_empty_prompt_starts_from_a_newline(lm_workdir, devices):
 ])
 def test_bad_arguments_are_rejected(lm_workdir, devices, kwargs, message):
   with pytest.raises(ConfigError, match='^' + message.replace('[', r'\[')) as e:
-    sample.generate_text(lm_workdir, **kwargs)
+    sampling.generate_text(lm_workdir, **kwargs)
   if 'prompt' in kwargs:
     assert str(e.value).endswith("'\u00e9', '\u2603'; leave them out")
 
@@ -109,7 +111,7 @@ def test_bad_arguments_are_rejected(lm_workdir, devices, kwargs, message):
 def test_run_without_checkpoint_is_rejected(tmp_path, lm_workdir):
   os.symlink(os.path.join(lm_workdir, 'config.json'), tmp_path / 'config.json')
   with pytest.raises(CheckpointError, match='has no complete checkpoint yet'):
-    sample.generate_text(str(tmp_path))
+    sampling.generate_text(str(tmp_path))
   assert sorted(os.listdir(tmp_path)) == ['config.json']  # Nothing written.
 
 
@@ -137,7 +139,7 @@ def test_the_cache_gives_the_tokens_of_recomputing(lm_workdir, devices):
   per step) picks exactly the tokens that recomputing every window picks."""
   del devices
   for options in ({'temperature': 0.0}, {'temperature': 0.8, 'top_k': 20, 'top_p': 0.9}):
-    cached, recomputed = (sample.generate(lm_workdir, ['The ', 'dict'], 20, num_samples=2, seed=5,
+    cached, recomputed = (sampling.generate(lm_workdir, ['The ', 'dict'], 20, num_samples=2, seed=5,
                                           decoding=d, **options) for d in ('cache', 'recompute'))
     assert [s['ids'] for s in cached] == [s['ids'] for s in recomputed], options
     assert len(set(map(str, (s['ids'] for s in cached)))) > 1  # The rows differ.
@@ -147,18 +149,18 @@ def test_prompts_of_different_lengths_share_a_batch(lm_workdir, devices):
   """Left-padded in one batch, each prompt continues exactly as it does alone."""
   del devices
   prompts = ['A', 'The result of ', 'x = ']
-  batch = sample.generate(lm_workdir, prompts, 12, temperature=0.0)
-  alone = [sample.generate(lm_workdir, [p], 12, temperature=0.0)[0] for p in prompts]
+  batch = sampling.generate(lm_workdir, prompts, 12, temperature=0.0)
+  alone = [sampling.generate(lm_workdir, [p], 12, temperature=0.0)[0] for p in prompts]
   assert [s['ids'] for s in batch] == [s['ids'] for s in alone]
   assert [s['prompt'] for s in batch] == prompts
   with pytest.raises(ConfigError, match=r'--prompt: prompts of different lengths are decoded with '
                                         r'the key/value cache'):
-    sample.generate(lm_workdir, prompts, 40, temperature=0.0)  # Past max_len 32: no cache.
+    sampling.generate(lm_workdir, prompts, 40, temperature=0.0)  # Past max_len 32: no cache.
 
 
 def test_top_p_keeps_the_likeliest_tokens_that_reach_p():
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from zoo import decode  # pylint: disable=import-outside-toplevel
+  from zoo.models import decode  # pylint: disable=import-outside-toplevel
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
   drawn = {int(decode.choose(logits, jax_key(i), 1.0, top_p=0.75)[0]) for i in range(200)}
   assert drawn == {0, 1}  # 0.5 < 0.75 needs the second; 0.8 reaches it.

@@ -7,8 +7,10 @@ import jax
 import pytest
 
 from conftest import load_config
-from zoo import data, setup, sharding, steps
+from zoo import data
 from zoo.data import feed
+from zoo.parallel import sharding
+from zoo.run import setup, steps
 
 GOLDEN_DIR = os.path.join(os.path.dirname(__file__), 'golden')
 # Regenerate with ZOO_UPDATE_GOLDEN=1 pytest tests/sharding_test.py, only after a deliberate
@@ -23,7 +25,7 @@ MODELS = {
     'transformer_lm': ('char_lm', {}),
     'transformer_lm_scan': ('char_lm', {'model.scan_layers': True, 'model.positions': 'rotary'}),
     'encoder_decoder': ('seq_sort', {}),
-    # Published layouts (zoo.hf): GPT-2, Llama with grouped-query attention, HF's ViT.
+    # Published layouts (zoo.hf.layouts): GPT-2, Llama with grouped-query attention, HF's ViT.
     'transformer_lm_gpt2': ('char_lm', {'model.use_bias': True, 'model.tie_embeddings': True,
                                         'model.norm_epsilon': 1e-5}),
     'transformer_lm_llama': ('char_lm', {'model.positions': 'rotary', 'model.norm': 'rms',

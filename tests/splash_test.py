@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from conftest import load_config, trainer
-from zoo import mesh as mesh_lib
-from zoo import perf, setup as setup_lib, sharding, topology
 from zoo.models import splash, transformer
+from zoo.parallel import mesh as mesh_lib
+from zoo.parallel import sharding, topology
+from zoo.run import perf, setup as setup_lib
 
 
 def _attention(impl, heads, kv_heads, causal, length=128):
@@ -88,7 +89,7 @@ def test_shapes_it_cannot_take_run_xla_and_say_so_once(devices, caplog):
 def test_sampling_from_a_splash_model_decodes_with_xla(devices, caplog):
   del devices
   splash._SAID.clear()  # pylint: disable=protected-access
-  from zoo import decode  # pylint: disable=import-outside-toplevel
+  from zoo.models import decode  # pylint: disable=import-outside-toplevel
   t = trainer('char_lm', **LM, **{'model.attention': 'splash'})
   prompts = np.zeros((8, 4), np.int32)
   with caplog.at_level(logging.WARNING), t.scope():

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from conftest import REPO, load_config, read_metrics, trainer
-from zoo import checkpoint, data, train
+from zoo import data
 from zoo.data import tokens
 from zoo.errors import ConfigError, ZooError
+from zoo.run import train
+from zoo.store import checkpoint
 
 # A corpus with multi-byte characters: bytes per token and per character differ.
 DOCUMENTS = [f'Document {i}: caf\u00e9 na\u00efve \u2603 ' + 'the quick brown fox jumps. ' * (5 + i % 7)
@@ -186,7 +188,7 @@ def test_a_larger_model_vocabulary_is_allowed(dataset_dir, devices):
 
 
 def test_unknown_dataset_name_lists_tokens_and_records():
-  from zoo import config as cfg  # pylint: disable=import-outside-toplevel
+  from zoo.run import config as cfg  # pylint: disable=import-outside-toplevel
   with pytest.raises(ConfigError, match=r"unknown dataset 'tokenz'; known: .*tokens, records"):
     cfg.validate(load_config('char_lm', **{'data.name': 'tokenz'}), 8)
 
@@ -194,16 +196,16 @@ def test_unknown_dataset_name_lists_tokens_and_records():
 def test_sampling_encodes_and_decodes_with_the_datasets_tokenizer(dataset_dir, tmp_path, devices):
   """A byte-level model continues a prompt with characters a character model never saw."""
   del devices
-  from zoo import sample  # pylint: disable=import-outside-toplevel
+  from zoo.run import sampling  # pylint: disable=import-outside-toplevel
   workdir = str(tmp_path / 'run')
   train.train_and_evaluate(_config(dataset_dir, **{'train.steps': 2, 'eval.max_batches': 1,
                                                    'checkpoint.async_save': False}), workdir)
   prompt, num_tokens = 'caf\u00e9 \u2603 ', 20  # 10 bytes + 20 <= max_len 32: the cache.
-  [greedy] = sample.generate(workdir, [prompt], num_tokens, temperature=0.0)
+  [greedy] = sampling.generate(workdir, [prompt], num_tokens, temperature=0.0)
   assert greedy['prompt_ids'] == list(prompt.encode('utf-8'))  # Byte tokens: ids are bytes.
   assert len(greedy['ids']) == num_tokens and greedy['sample'] == prompt + greedy['text']
   for mesh_shape in ('1,8', '4,2'):
-    assert sample.generate(workdir, [prompt], num_tokens, temperature=0.0,
+    assert sampling.generate(workdir, [prompt], num_tokens, temperature=0.0,
                            mesh_shape=mesh_shape) == [greedy]
 
 

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from conftest import REPO, experiment, load_config
-from zoo import mesh as mesh_lib
-from zoo import setup as setup_lib, topology
 from zoo.data import feed
 from zoo.errors import ConfigError
+from zoo.parallel import mesh as mesh_lib
+from zoo.parallel import topology
+from zoo.run import setup as setup_lib
 
 needs_libtpu = pytest.mark.skipif(not importlib.util.find_spec('libtpu'), reason="needs libtpu ('.[tpu]')")
 needs_cuda = pytest.mark.skipif(not importlib.util.find_spec('jax_cuda12_plugin'),

@@ -9,8 +9,8 @@ import struct
 import pytest
 
 from conftest import experiment, load_config, read_metrics, run_cli
-from zoo import train
 from zoo.errors import ConfigError
+from zoo.run import train
 
 FLAGS = {'train.log_every_steps': 1, 'eval.every_steps': 4, 'checkpoint.every_steps': 2,
          'metrics.wandb_project': 'zoo-test', 'metrics.wandb_mode': 'offline'}

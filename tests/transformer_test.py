@@ -155,7 +155,7 @@ def test_dropout_is_keyed_by_step_and_the_same_on_every_mesh(devices):
 
 
 def test_microbatches_must_divide_the_batch(devices):
-  from zoo import config as cfg  # pylint: disable=import-outside-toplevel
+  from zoo.run import config as cfg  # pylint: disable=import-outside-toplevel
   from zoo.errors import ConfigError  # pylint: disable=import-outside-toplevel
   config = load_config('char_lm', **{**TINY, 'train.microbatches': 3})
   with pytest.raises(ConfigError, match='config.train.microbatches: 3'):

@@ -1,6 +1,6 @@
 """Trains an experiment: `python -m zoo.main --config=experiments/x.py[:arg] --workdir=DIR`.
 
-`--dry_run` prints the run's plan (zoo.plan) instead: nothing runs, and nothing is written
+`--dry_run` prints the run's plan (zoo.run.plan) instead: nothing runs, and nothing is written
 (except compiled programs to --compilation_cache_dir, if given).
 """
 from absl import flags
@@ -8,9 +8,11 @@ from absl import logging
 import jax
 from ml_collections import config_flags
 
-from zoo import compilation, plan, shell, topology, train
-from zoo import config as cfg
+from zoo import shell
 from zoo.errors import ZooError
+from zoo.parallel import topology
+from zoo.run import compilation, plan, train
+from zoo.run import config as cfg
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Experiment file, e.g. experiments/char_lm.py:smoke.')

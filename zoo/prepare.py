@@ -22,9 +22,10 @@ from typing import Callable
 from absl import flags
 from absl import logging
 
-from zoo import shell, storage
+from zoo import shell
 from zoo.data import atomic, dataset
 from zoo.errors import ConfigError, ZooError
+from zoo.store import storage
 
 _INPUT = flags.DEFINE_multi_string(
     'input', [], 'text: files or globs (repeat the flag for several; quote globs); .jsonl and '

@@ -51,10 +51,10 @@ _STARTED = []  # Set once the devices are up: only then may fail() ask JAX about
 
 
 def start_devices(platforms: Optional[str] = None, per_core: bool = True) -> None:
-  """Sets up the devices and joins the job (see zoo.distributed); `per_core`: a host
+  """Sets up the devices and joins the job (see zoo.parallel.distributed); `per_core`: a host
   without accelerators gets one CPU device per core (training), else one."""
   import jax  # pylint: disable=import-outside-toplevel
-  from zoo import distributed  # pylint: disable=import-outside-toplevel
+  from zoo.parallel import distributed  # pylint: disable=import-outside-toplevel
   if platforms:
     jax.config.update('jax_platforms', platforms)
   per_core = distributed.initialize(
@@ -103,7 +103,7 @@ def _is_bucket_error(e: Exception) -> bool:
 
 
 def _main(command: Callable[[list[str]], None], argv: list[str]) -> None:
-  from zoo import metrics  # pylint: disable=import-outside-toplevel
+  from zoo.store import metrics  # pylint: disable=import-outside-toplevel
   if not FLAGS.log_libraries:
     metrics.quiet_libraries()
   try:
@@ -171,7 +171,7 @@ def _flag_error(e: Exception, argv: list[str]) -> str:
   load as a multi-line dump without its cause: the file is loaded again to name it."""
   config = next((a.split('=', 1)[1] for a in argv[1:] if a.startswith('--config=')), None)
   if config:
-    from zoo.config import load_experiment  # pylint: disable=import-outside-toplevel
+    from zoo.run.config import load_experiment  # pylint: disable=import-outside-toplevel
     path, _, arg = config.partition(':')
     try:
       loaded = load_experiment(path, arg or None)

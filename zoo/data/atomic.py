@@ -12,8 +12,8 @@ from typing import Optional
 
 from absl import logging
 
-from zoo import storage
 from zoo.errors import ConfigError
+from zoo.store import storage
 
 
 def is_dataset(path: str) -> bool:

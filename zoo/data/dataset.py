@@ -13,8 +13,8 @@ from typing import Callable, Iterator, Optional
 import ml_collections
 import numpy as np
 
-from zoo import storage
 from zoo.errors import ConfigError
+from zoo.store import storage
 
 METADATA = 'metadata.json'  # Written last into a prepared dataset's directory.
 
@@ -22,7 +22,7 @@ METADATA = 'metadata.json'  # Written last into a prepared dataset's directory.
 @dataclasses.dataclass(frozen=True)
 class Dataset:
   """What the trainer needs of a dataset. `rows` selects this process's slice of a batch."""
-  task: str                 # A key of zoo.tasks.TASKS: the models that consume it.
+  task: str                 # A key of zoo.run.tasks.TASKS: the models that consume it.
   model_fields: dict        # Fields the model takes from the data, e.g. {'num_classes': 10}.
   # (step, global_batch_size, rows) -> local batch; a pure function of seed and step.
   train_batch: Callable[[int, int, slice], dict]

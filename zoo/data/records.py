@@ -29,10 +29,10 @@ from typing import Any, Callable, Iterator, Optional
 import ml_collections
 import numpy as np
 
-from zoo import storage
 from zoo.data import dataset, tokens
 from zoo.data.dataset import DataSource, Dataset, epoch_order, padded_rows
 from zoo.errors import ConfigError, fail
+from zoo.store import storage
 
 FORMAT, VERSION = 'zoo.records', 1
 METADATA = dataset.METADATA

@@ -16,8 +16,8 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from zoo import storage
 from zoo.errors import ConfigError
+from zoo.store import storage
 
 EOS = '<|endoftext|>'
 KINDS = ('bytes', 'bpe')  # Or a path to a tokenizer.json.

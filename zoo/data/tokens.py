@@ -24,11 +24,11 @@ from typing import Any, Iterator
 import ml_collections
 import numpy as np
 
-from zoo import storage
 from zoo.data import dataset, documents
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.data.dataset import DataSource, Dataset, padded_rows
 from zoo.errors import ConfigError, fail
+from zoo.store import storage
 
 FORMAT, VERSION = 'zoo.tokens', 1
 METADATA = dataset.METADATA

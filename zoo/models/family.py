@@ -20,12 +20,12 @@ class ModelFamily:
   """A model family: the trainer reaches its module, task and checks only through this."""
   # Built with config.model's fields (less `name`) plus the data's (e.g. num_classes).
   module: type[nn.Module]
-  task: str                 # A key of zoo.tasks.TASKS: the data it trains on and its metrics.
+  task: str                 # A key of zoo.run.tasks.TASKS: the data it trains on and its metrics.
   # (config.model) -> None: checks the family's own fields before any data loads; raises
   # zoo.errors.ConfigError (through errors.fail) naming the field.
   check_config: Callable[[ml_collections.ConfigDict], None] = _no_check
   # (config.model, one example's model inputs) -> None: checks the fields against the data.
   check_inputs: Callable[[ml_collections.ConfigDict, Sequence[np.ndarray]], None] = _no_check
   # (model, batch size, sequence length) -> train-step FLOPs by a closed formula, logged
-  # beside the traced count (zoo.perf.step_cost); None where the family has none.
+  # beside the traced count (zoo.run.perf.step_cost); None where the family has none.
   analytic_flops: Optional[Callable[[nn.Module, int, int], int]] = None

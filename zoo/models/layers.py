@@ -1,6 +1,6 @@
 """Pieces every model family shares: named parameters, Dense layers, image inputs, vocabularies.
 
-Model code names parameter axes with logical names (see zoo.sharding); these helpers
+Model code names parameter axes with logical names (see zoo.parallel.sharding); these helpers
 attach them, so a family file never spells out `nn.with_logical_partitioning` itself.
 """
 from typing import Any, Optional, Sequence

@@ -27,7 +27,7 @@ mesh axis (Megatron-LM, arXiv:1909.08053). The switches every Transformer family
 
 With `decode=True` a model keeps a key/value cache of `max_len` positions in the 'cache'
 collection, sharded over heads like the activations, and appends to it: a prompt's
-prefill, then one token per call (zoo.decode).
+prefill, then one token per call (zoo.models.decode).
 
 Shapes are suffixed: B batch, L (M) query (key) length, D d_model, N heads, G key/value
 heads, H head size, F MLP units, S cache positions. Parameters are our own einsum
@@ -82,7 +82,7 @@ class Transformer(nn.Module):
   remat: str = 'none'
   dtype: str = 'float32'
   dropout_rate: float = 0.0
-  decode: bool = False           # Keep and extend a key/value cache (zoo.decode).
+  decode: bool = False           # Keep and extend a key/value cache (zoo.models.decode).
 
   @property
   def kv_heads(self) -> int:

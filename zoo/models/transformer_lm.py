@@ -30,7 +30,7 @@ class TransformerLM(transformer.Transformer, kw_only=True):
                positions_BL: Optional[jax.Array] = None,
                start_B: Optional[jax.Array] = None) -> jax.Array:
     """With `decode=True`, `positions_BL` are the tokens' positions and `start_B` each row's
-    first cache position (left padding before it); see zoo.decode."""
+    first cache position (left padding before it); see zoo.models.decode."""
     embed_VD = layers.embedding_table(self, self.vocab_size, self.d_model, self.dtype)
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0)
     # Tests take gradients with respect to the embedded inputs here (see transformer_test.py).
@@ -46,7 +46,7 @@ class TransformerLM(transformer.Transformer, kw_only=True):
 
 
 def train_flops(model: TransformerLM, batch_size: int, seq_len: int) -> int:
-  """Analytic train-step FLOPs (zoo.perf's conventions): 6 N tokens + 12 layers len
+  """Analytic train-step FLOPs (zoo.run.perf's conventions): 6 N tokens + 12 layers len
   (heads x head size) tokens, N the parameters of the matmuls (blocks and output head)."""
   d, f, h = model.d_model, model.mlp_dim, model.head_size
   attention = d * h * (2 * model.num_heads + 2 * model.kv_heads)  # q, out; k, v.

@@ -30,8 +30,8 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
-from zoo import storage
 from zoo.errors import ConfigError
+from zoo.store import storage
 
 LEASE = 'lease.json'
 LOCK = 'lease.lock'

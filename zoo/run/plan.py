@@ -8,7 +8,7 @@ in the compiled train step; and which rows of the global batch each process feed
 
 The devices are those present (emulated CPU devices plan a mesh larger than the machine:
 the state's bytes are exact for any backend, while temporaries and collectives are the
-CPU compiler's), or with `--topology` a TPU pod's compile-only devices (zoo.topology):
+CPU compiler's), or with `--topology` a TPU pod's compile-only devices (zoo.parallel.topology):
 then the TPU compiler itself compiles the steps, its peak is the step's memory and its
 out-of-memory refusal the verdict, against the chips' usable HBM.
 """
@@ -20,11 +20,12 @@ from typing import Any, Optional
 import jax
 import ml_collections
 
-from zoo import config as cfg
-from zoo import hlo, perf, sharding, topology
-from zoo import setup as setup_lib
 from zoo.data import feed
 from zoo.errors import ConfigError
+from zoo.parallel import hlo, sharding, topology
+from zoo.run import config as cfg
+from zoo.run import perf
+from zoo.run import setup as setup_lib
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from zoo.tasks import Task
+from zoo.run.tasks import Task
 
 # Variable collections a model updates as it trains (BatchNorm's running statistics):
 # they live in the train state, are sharded like any state and are checkpointed.

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo import steps
+from zoo.run import steps
 
 if TYPE_CHECKING:
-  from zoo.setup import Setup
+  from zoo.run.setup import Setup
 
 # device_kind substring -> dense bf16 FLOP/s per chip. Checked in order: more specific first.
 PEAK_FLOPS = (

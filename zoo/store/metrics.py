@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 
 from absl import logging
 
-from zoo import storage
 from zoo.errors import ZooError
+from zoo.store import storage
 
 _ZOO_DIR = os.path.dirname(os.path.abspath(__file__))
 _STDLIB = sysconfig.get_paths()['stdlib']

@@ -7,10 +7,12 @@ from typing import Any
 
 import ml_collections
 
-from zoo import checkpoint, data, models, storage, tasks
+from zoo import data, models
 from zoo.data import tokens
 from zoo.data.dataset import Dataset
 from zoo.errors import CheckpointError, ConfigError
+from zoo.run import tasks
+from zoo.store import checkpoint, storage
 
 TOKENIZER = 'tokenizer.json'  # An imported model's own tokenizer, beside its config.
 

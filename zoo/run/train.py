@@ -10,11 +10,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from zoo import config as cfg
-from zoo import checkpoint, lease, metrics, perf, profiling, sharding, steps, storage
-from zoo import setup as setup_lib
 from zoo.data import feed
 from zoo.errors import NonFiniteError
+from zoo.parallel import sharding
+from zoo.run import config as cfg
+from zoo.run import perf, profiling, steps
+from zoo.run import setup as setup_lib
+from zoo.store import checkpoint, lease, metrics, storage
 
 # Steps the loop may dispatch beyond the newest one the devices finished: enough to keep
 # them busy, few enough that a stop request (SIGTERM) is served within a few steps and
@@ -124,7 +126,7 @@ def evaluate(eval_step: Callable, state: steps.TrainState, setup: setup_lib.Setu
 
 def compile_steps(setup: setup_lib.Setup, state: steps.TrainState) -> tuple:
   """(train step, state check, eval step, step cost): the first two compiled for `state`;
-  the cost (zoo.perf) with the devices' peak, logged."""
+  the cost (zoo.run.perf) with the devices' peak, logged."""
   t0 = time.perf_counter()
   train_step = setup.jit_train_step().lower(state, setup.batch).compile()
   logging.info('compiled the train step in %.1f s', time.perf_counter() - t0)

@@ -12,10 +12,13 @@ from typing import Any, Optional
 import jax
 import ml_collections
 
-from zoo import data, metrics, models, optim, sharding, storage, tasks
-from zoo import mesh as mesh_lib
+from zoo import data, models
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError, fail
+from zoo.parallel import mesh as mesh_lib
+from zoo.parallel import sharding
+from zoo.run import optim, tasks
+from zoo.store import metrics, storage
 
 WANDB_MODES = ('', 'online', 'offline', 'disabled')
 LAYER_FIELDS = ('num_layers', 'num_encoder_layers', 'num_decoder_layers', 'stage_sizes')
@@ -110,7 +113,7 @@ def load_experiment(path: str, arg: Optional[str] = None) -> ml_collections.Conf
     raise ConfigError(f'--config: {name}: get_config raised {_where(e, path)}') from None
   if not isinstance(config, ml_collections.ConfigDict):
     raise ConfigError(f'--config: {name}: get_config returned {type(config).__name__}, not an '
-                      'ml_collections.ConfigDict (start from zoo.config.base_config())')
+                      'ml_collections.ConfigDict (start from zoo.run.config.base_config())')
   return config
 
 

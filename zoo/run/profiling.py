@@ -7,7 +7,7 @@ from typing import Any
 from absl import logging
 import jax
 
-from zoo import storage
+from zoo.store import storage
 
 
 class Profile:

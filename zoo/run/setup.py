@@ -20,13 +20,15 @@ import ml_collections
 import numpy as np
 import optax
 
-from zoo import config as cfg
-from zoo import data, models, optim, sharding, steps, tasks
-from zoo import mesh as mesh_lib
+from zoo import data, models
 from zoo.data import feed
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError
 from zoo.models.family import ModelFamily
+from zoo.parallel import mesh as mesh_lib
+from zoo.parallel import sharding
+from zoo.run import config as cfg
+from zoo.run import optim, steps, tasks
 
 
 @dataclasses.dataclass(frozen=True)

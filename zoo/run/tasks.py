@@ -3,7 +3,7 @@
 A model family names its task (zoo.models), and so does a dataset (zoo.data); the
 trainer reaches task semantics only through these objects:
 - `inputs`: the batch fields the model takes, in order;
-- `metrics(sums, dataset)`: eval metrics from the summed outputs of zoo.steps.eval_step;
+- `metrics(sums, dataset)`: eval metrics from the summed outputs of zoo.run.steps.eval_step;
 - `tokens(batch)`: the tokens a train batch trains on (sequence tasks), for tokens/s;
 - `eval_sampler(model, dataset, mesh, seed, temperature)`: what an eval shows besides
   metrics (the LM's sample, logged and written to TensorBoard).
@@ -16,11 +16,11 @@ from absl import logging
 import jax
 import numpy as np
 
-from zoo import decode
+from zoo.models import decode
 
 if TYPE_CHECKING:
   from zoo.data.dataset import Dataset
-  from zoo.metrics import MetricWriter
+  from zoo.store.metrics import MetricWriter
 
 
 class Task:

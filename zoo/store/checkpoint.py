@@ -20,8 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 
-from zoo import storage
 from zoo.errors import CheckpointError
+from zoo.store import storage
 
 
 def _key_name(key):

@@ -1,0 +1,282 @@
+"""Hugging Face weights in and out of a zoo workdir: what `zoo.convert import|export` runs
+(see zoo/convert.py for the formats)."""
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+from absl import logging
+import jax
+import ml_collections
+import numpy as np
+
+from zoo import models
+from zoo.data import tokenizer as tokenizer_lib
+from zoo.data.dataset import Dataset
+from zoo.errors import ConfigError
+from zoo.hf import layouts as hf
+from zoo.run import config as cfg
+from zoo.run import setup as setup_lib
+from zoo.run import workdir as workdir_lib
+from zoo.store import checkpoint, storage
+
+WEIGHTS, INDEX = 'model.safetensors', 'model.safetensors.index.json'
+TOKENIZER = workdir_lib.TOKENIZER
+
+
+def _check_local(hf_dir: str) -> None:
+  """Hugging Face directories are local: transformers and safetensors read and write files."""
+  if storage.is_remote(hf_dir):
+    raise ConfigError(f'--hf_dir: {hf_dir}: a Hugging Face model directory is local (transformers '
+                      'and safetensors read files); copy it here first (gcloud storage cp -r), '
+                      'or export here and copy it up. The zoo --workdir may be in a bucket')
+
+
+def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, str]]:
+  """(config.json, {tensor name: its safetensors file}); ConfigError for a missing piece."""
+  _check_local(hf_dir)
+  if not os.path.isdir(hf_dir):
+    raise ConfigError(f'--hf_dir: {hf_dir} is not a directory; give a Hugging Face model '
+                      'directory (config.json and model.safetensors)')
+  config_path = os.path.join(hf_dir, 'config.json')
+  if not os.path.isfile(config_path):
+    raise ConfigError(f'--hf_dir: {hf_dir} has no config.json; give a Hugging Face model directory '
+                      '(save_pretrained writes one)')
+  hf_config = workdir_lib.read_json(config_path, '--hf_dir')
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  if os.path.isfile(os.path.join(hf_dir, INDEX)):
+    with open(os.path.join(hf_dir, INDEX), encoding='utf-8') as f:
+      weight_map = json.load(f)['weight_map']
+    files = {name: os.path.join(hf_dir, file) for name, file in weight_map.items()}
+  elif os.path.isfile(os.path.join(hf_dir, WEIGHTS)):
+    with safe_open(os.path.join(hf_dir, WEIGHTS), 'np') as f:
+      files = {name: os.path.join(hf_dir, WEIGHTS) for name in f.keys()}
+  else:
+    raise ConfigError(f'--hf_dir: {hf_dir} has no {WEIGHTS} or {INDEX}; save the model with '
+                      'safe_serialization (the default of save_pretrained)')
+  missing = sorted({f for f in files.values() if not os.path.isfile(f)})
+  if missing:
+    raise ConfigError(f'--hf_dir: the index names files that are missing: {", ".join(missing)}')
+  return hf_config, files
+
+
+def _shapes(files: dict[str, str]) -> dict[str, tuple]:
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  shapes = {}
+  for file in sorted(set(files.values())):
+    with safe_open(file, 'np') as f:
+      for name in f.keys():
+        shapes[name] = tuple(f.get_slice(name).get_shape())
+  return shapes
+
+
+def _read(file: str, name: str) -> np.ndarray:
+  """One tensor, as numpy; bfloat16 ones through JAX's reader (numpy has no bfloat16)."""
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  with safe_open(file, 'np') as f:
+    if f.get_slice(name).get_dtype() != 'BF16':
+      return f.get_tensor(name)
+  with safe_open(file, 'flax') as f:
+    return np.asarray(f.get_tensor(name))
+
+
+def _listed(names: list, limit: int = 8) -> str:
+  more = f' and {len(names) - limit} more' if len(names) > limit else ''
+  return ', '.join(names[:limit]) + more
+
+
+def check_tensors(expected: list, shapes: dict[str, tuple], ignored: tuple) -> None:
+  """ConfigError listing missing, extra and misshapen tensors."""
+  want = {t.name: t.shape for t in expected}
+  missing = sorted(want.keys() - shapes.keys())
+  extra = sorted(n for n in shapes.keys() - want.keys() if not n.endswith(ignored))
+  wrong = [f'{n} {list(shapes[n])} (config: {list(want[n])})'
+           for n in sorted(want.keys() & shapes.keys()) if tuple(shapes[n]) != tuple(want[n])]
+  problems = ([f'missing tensors: {_listed(missing)}'] if missing else []) + (
+      [f'unexpected tensors: {_listed(extra)}'] if extra else []) + (
+          [f'shapes that disagree with config.json: {_listed(wrong)}'] if wrong else [])
+  if problems:
+    raise ConfigError(f'--hf_dir: the weights do not fit config.json: {"; ".join(problems)}')
+
+
+def shapes_dataset(task: str, model_fields: dict, example: dict) -> Dataset:
+  """A Dataset that has only shapes: what places an imported model that has no data."""
+  def batch(step, global_batch_size, rows):
+    del step
+    count = len(range(global_batch_size)[rows])
+    return {k: np.repeat(v, count, axis=0) for k, v in example.items()}
+  return Dataset(task=task, model_fields=model_fields, train_batch=batch,
+                 eval_batches=lambda size, rows: iter(()), num_train=0)
+
+
+def zoo_config(arch: hf.Architecture, fields: dict) -> ml_collections.ConfigDict:
+  """The zoo config of an imported model: its fields; data that only names a shape."""
+  config = cfg.base_config()
+  config.model.name = arch.family
+  accepted = {f.name for f in dataclasses.fields(models.MODELS[arch.family].module)}
+  config.model.update({k: v for k, v in fields.items() if k in accepted})
+  if arch.task == 'lm':
+    config.data.update(name='tokens', path='', seq_len=min(fields['max_len'], 1024))
+  else:
+    config.data.update(name='records', path='')
+  config.mesh.shape = (-1, 1)
+  return config
+
+
+def _example(arch: hf.Architecture, fields: dict) -> tuple[dict, dict]:
+  if arch.task == 'lm':
+    tokens = np.zeros((1, 8), np.int32)
+    return {'vocab_size': fields['vocab_size']}, {'inputs': tokens, 'targets': tokens}
+  image = np.zeros((1, fields['image_size'], fields['image_size'], fields['num_channels']),
+                   np.float32)
+  return {'num_classes': fields['num_classes']}, {'inputs': image,
+                                                  'targets': np.zeros((1,), np.int32)}
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {'/'.join(str(getattr(k, 'key', k)) for k in path): leaf for path, leaf in flat}
+
+
+def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.Setup:
+  """Writes `hf_dir`'s model into `workdir` (see the module docstring); returns its Setup."""
+  hf_config, files = read_hf_dir(hf_dir)
+  model_type, arch = hf.architecture(hf_config)
+  fields = arch.from_hf(hf_config)
+  expected = arch.tensors(fields)
+  check_tensors(expected, _shapes(files), arch.ignored)
+  tokenizer_file = os.path.join(hf_dir, TOKENIZER)
+  if arch.task == 'lm':
+    tokenizer = tokenizer_lib.load(tokenizer_file, '--hf_dir',
+                                   f'save the tokenizer (tokenizer.json) into {hf_dir}')
+    size = tokenizer_lib.vocab_size(tokenizer)
+    if size > fields['vocab_size']:
+      raise ConfigError(f'--hf_dir: {tokenizer_file} has ids up to {size - 1}, but the embedding '
+                        f'has {fields["vocab_size"]} rows (vocab_size); give the tokenizer that '
+                        'goes with the model')
+  cfg.check_workdir(workdir)
+  if storage.is_dir(storage.join(workdir, 'checkpoints')):
+    raise ConfigError(f'--workdir: {workdir} already has checkpoints; import into a new workdir')
+  config = zoo_config(arch, fields)
+  model_fields, example = _example(arch, fields)
+  setup = setup_lib.placed(config, shapes_dataset(arch.task, model_fields, example),
+                           mesh_shape, doing='importing')
+  targets = _flat(setup.abstract_state().params)
+  covered = sorted(p for t in expected for p in t.zoo)
+  assert covered == sorted(targets), (set(covered) ^ set(targets))  # zoo.hf.layouts matches the model.
+  logging.info('importing %s (%s, %d tensors) onto mesh %s', hf_dir, model_type, len(expected),
+               dict(setup.mesh.shape))
+  params = {}
+  for tensor in expected:  # One HF tensor in host memory at a time.
+    parts = tensor.to_zoo(_read(files[tensor.name], tensor.name))
+    for path, part in zip(tensor.zoo, parts):
+      target = targets[path]
+      assert tuple(part.shape) == tuple(target.shape), (path, part.shape, target.shape)
+      params[path] = jax.make_array_from_callback(
+          target.shape, target.sharding,
+          lambda index, part=part, dtype=target.dtype: np.ascontiguousarray(part[index], dtype))
+    del parts
+  tree = jax.tree_util.tree_unflatten(
+      jax.tree.structure(setup.abstract_state().params),
+      [params[p] for p in _flat(setup.abstract_state().params)])
+  storage.path(workdir).mkdir(parents=True, exist_ok=True)  # Local or gs://, one way.
+  storage.write_text(storage.join(workdir, 'config.json'), config.to_json_best_effort(indent=2))
+  storage.write_text(storage.join(workdir, 'imported.json'), json.dumps(
+      {'hf_dir': os.path.abspath(hf_dir), 'model_type': model_type, 'hf_config': hf_config},
+      indent=2))
+  if arch.task == 'lm':
+    with open(tokenizer_file, encoding='utf-8') as f:
+      storage.write_text(storage.join(workdir, TOKENIZER), f.read())
+  # Uncompressed: zstd would hold a second copy of the model in host memory until commit.
+  manager = checkpoint.make_manager(workdir, keep=1, use_async=False, compress=False)
+  step = jax.device_put(np.zeros((), np.int32),
+                        jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec()))
+  manager.save(0, args=checkpoint.save_args({'step': step, 'params': tree}))
+  manager.wait_until_finished()
+  manager.close()
+  logging.info('wrote %s: %s parameters', workdir,
+               f'{sum(math.prod(x.shape) for x in params.values()):,}')
+  return setup
+
+
+def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30) -> str:
+  """Writes `workdir`'s newest params into a new `hf_dir` that transformers loads; returns
+  the HF model type."""
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  config, directory = workdir_lib.load_run(workdir, require_lm=False)
+  found = hf.architecture_of(config.model.to_dict())
+  if found is None:
+    raise ConfigError(f'--workdir: {workdir} trained a {config.model.get("name")!r} model that '
+                      f'matches none of the layouts export writes ({", ".join(hf.ARCHITECTURES)}: '
+                      'see zoo.hf.layouts); import one of those to fine-tune it')
+  model_type, arch = found
+  _check_local(hf_dir)
+  if os.path.exists(hf_dir) and os.listdir(hf_dir):
+    raise ConfigError(f'--hf_dir: {hf_dir} exists and is not empty; give a new directory')
+  tokenizer_file = workdir_lib.tokenizer_file(workdir, config)
+  if arch.task == 'lm' and not tokenizer_file:
+    raise ConfigError(f'--workdir: {workdir} has no tokenizer.json (nor has its data.path); '
+                      'export needs the tokenizer the model was trained with')
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shapes = checkpoint.latest_metadata(directory)['params']
+  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), shapes)
+  restored, step, _ = checkpoint.restore_params(directory, target, field='--workdir')
+  params = _flat(restored)
+  fields = {k: v for k, v in config.model.to_dict().items() if v is not None}  # None: data's.
+  if ('vocab_size' if arch.task == 'lm' else 'num_classes') not in fields:  # Its data's size.
+    fields = {**workdir_lib.run_dataset(workdir, config).model_fields, **fields}
+  fields = hf.with_defaults(fields)
+  if arch.family == 'vit':  # The image the model takes, from its parameters.
+    kernel, positions = params['patch_embed/kernel'], params['pos_embed']
+    fields['num_channels'] = kernel.shape[2]
+    fields['image_size'] = fields['patch_size'] * math.isqrt(positions.shape[0] - 1)
+  tensors = {}
+  for tensor in arch.tensors(fields):
+    tensors[tensor.name] = np.ascontiguousarray(
+        tensor.to_hf(*(np.asarray(params[p]) for p in tensor.zoo)), np.float32)
+  os.makedirs(hf_dir, exist_ok=True)
+  _write_safetensors(tensors, hf_dir, max_shard_bytes, save_file)
+  hf_config = {**arch.to_hf(fields), 'torch_dtype': 'float32', 'dtype': 'float32'}
+  if tokenizer_file:  # Generation stops at the tokenizer's end token, not HF's default's.
+    hf_config.update(_special_ids(tokenizer_lib.load(
+        tokenizer_file, '--workdir', 'give the tokenizer.json the model was trained with')))
+  with open(os.path.join(hf_dir, 'config.json'), 'w', encoding='utf-8') as f:
+    json.dump(hf_config, f, indent=2)
+  if tokenizer_file:
+    with open(os.path.join(hf_dir, TOKENIZER), 'w', encoding='utf-8') as f:
+      f.write(storage.read_text(tokenizer_file))
+  logging.info('exported step %d of %s as %s (%s) to %s', step, workdir, arch.hf_class,
+               model_type, hf_dir)
+  return model_type
+
+
+def _special_ids(tokenizer) -> dict:
+  """bos/eos token ids for a HF config: the tokenizer's own, None where it has none (GPT-2
+  begins and ends with its one end token)."""
+  eos = tokenizer_lib.eos_id(tokenizer)
+  bos = next((i for name in ('<s>', '<|begin_of_text|>', '<bos>')
+              if (i := tokenizer.token_to_id(name)) is not None), eos)
+  return {'bos_token_id': bos if bos >= 0 else None, 'eos_token_id': eos if eos >= 0 else None}
+
+
+def _write_safetensors(tensors: dict, hf_dir: str, max_bytes: int, save_file) -> None:
+  """One model.safetensors, or shards of at most `max_bytes` with HF's index."""
+  groups, size = [[]], 0
+  for name, x in tensors.items():
+    if groups[-1] and size + x.nbytes > max_bytes:
+      groups.append([])
+      size = 0
+    groups[-1].append(name)
+    size += x.nbytes
+  if len(groups) == 1:
+    save_file(tensors, os.path.join(hf_dir, WEIGHTS), metadata={'format': 'pt'})
+    return
+  weight_map = {}
+  for i, names in enumerate(groups):
+    file = f'model-{i + 1:05d}-of-{len(groups):05d}.safetensors'
+    save_file({n: tensors[n] for n in names}, os.path.join(hf_dir, file), metadata={'format': 'pt'})
+    weight_map.update({n: file for n in names})
+  with open(os.path.join(hf_dir, INDEX), 'w', encoding='utf-8') as f:
+    json.dump({'metadata': {'total_size': sum(x.nbytes for x in tensors.values())},
+               'weight_map': weight_map}, f, indent=2)
