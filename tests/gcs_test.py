@@ -268,3 +268,113 @@ def test_token_dataset_prepared_into_and_trained_from_a_bucket(gcs, tmp_path, de
   split = tokens.TokenSplit(url, 'train', meta)
   split.windows(np.array([3, 500, 1000]), 17)
   assert split.bytes_read() == 3 * 17 * np.dtype(meta['dtype']).itemsize  # Ranges, not shards.
+
+
+class _RefusingProxy:
+  """An HTTP proxy on 127.0.0.1 in front of the emulator that, once `refuse` is set, answers
+  every write (POST, PUT, PATCH, DELETE) with 403 Forbidden, as a bucket does whose
+  permissions were revoked or that a retention policy locks; reads pass through."""
+
+  def __init__(self, upstream):
+    import http.client  # pylint: disable=import-outside-toplevel
+    import http.server  # pylint: disable=import-outside-toplevel
+    import threading  # pylint: disable=import-outside-toplevel
+    host, port = upstream.removeprefix('http://').split(':')
+    proxy = self
+    self.refuse = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+      def log_message(self, *args):  # pylint: disable=arguments-differ
+        pass
+
+      def _forward(self):
+        body = self.rfile.read(int(self.headers.get('Content-Length') or 0))
+        if proxy.refuse.is_set() and self.command != 'GET' and self.command != 'HEAD':
+          reply = json.dumps({'error': {'code': 403, 'message': 'writes refused (zoo test)',
+                                        'errors': [{'reason': 'forbidden',
+                                                    'message': 'writes refused (zoo test)'}]}})
+          status, headers, data = 403, {'Content-Type': 'application/json'}, reply.encode()
+        else:
+          upstream_conn = http.client.HTTPConnection(host, int(port), timeout=30)
+          headers = {k: v for k, v in self.headers.items() if k.lower() != 'transfer-encoding'}
+          upstream_conn.request(self.command, self.path, body=body, headers=headers)
+          response = upstream_conn.getresponse()
+          status, data = response.status, response.read()
+          headers = {k: v for k, v in response.getheaders()
+                     if k.lower() not in ('transfer-encoding', 'content-length', 'connection')}
+          upstream_conn.close()
+        self.send_response(status)
+        for k, v in headers.items():
+          self.send_header(k, v)
+        self.send_header('Content-Length', str(len(data)))
+        self.end_headers()
+        if self.command != 'HEAD':
+          self.wfile.write(data)
+
+      do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _forward
+
+    self.server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+    self.url = f'http://127.0.0.1:{self.server.server_address[1]}'
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+  def close(self):
+    self.server.shutdown()
+    self.server.server_close()
+
+
+def test_a_bucket_that_starts_refusing_writes_ends_the_run_in_one_line(gcs, tmp_path):
+  """Mid-run the bucket refuses every write (403): the run ends within seconds in one line
+  naming the workdir, and once writes are allowed again it resumes from the newest
+  complete checkpoint, every step logged once."""
+  url = f'{gcs}/refused'
+  proxy = _RefusingProxy(os.environ['STORAGE_EMULATOR_HOST'])
+  args = [f'--config={experiment("mlp_digits")}:smoke', f'--workdir={url}',
+          '--config.train.steps=100000', '--config.train.log_every_steps=1',
+          '--config.eval.every_steps=100000', '--config.checkpoint.every_steps=5']
+  cmd, env = _cli(*args)
+  env.update(STORAGE_EMULATOR_HOST=proxy.url, TENSORSTORE_GCS_HTTP_URL=proxy.url)
+  try:
+    with open(tmp_path / 'refused.log', 'w+', encoding='utf-8') as log:
+      run = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
+      try:
+        deadline = time.time() + 180
+        while len(_losses(url) if 'metrics.jsonl' in _names(url) else ()) < 12:
+          assert run.poll() is None and time.time() < deadline, _tail(log)
+          time.sleep(0.2)
+        proxy.refuse.set()
+        t0 = time.monotonic()
+        run.wait(timeout=90)
+        took = time.monotonic() - t0
+      finally:
+        run.kill()
+      stderr = _tail(log, 100_000)
+    assert run.returncode == 1, stderr[-3000:]
+    assert 'Traceback' not in stderr, stderr[-3000:]
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith('zoo: error: ') and url in line, line
+    assert took < 45, took
+    proxy.refuse.clear()
+    from zoo.store import storage  # pylint: disable=import-outside-toplevel
+    steps = max(int(n) for n in storage.listdir(f'{url}/checkpoints') if n.isdigit()) + 5
+    cmd, env = _cli(*args[:2], f'--config.train.steps={steps}', *args[3:])
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+                           check=False)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert 'resuming from step' in again.stderr
+    assert sorted(_losses(url)) == list(range(1, steps + 1))
+  finally:
+    proxy.close()
+
+
+def _names(url):
+  from zoo.store import storage  # pylint: disable=import-outside-toplevel
+  try:
+    return storage.listdir(url)
+  except FileNotFoundError:
+    return []
+
+
+def _tail(log, chars=3000):
+  log.flush()
+  with open(log.name, encoding='utf-8') as f:
+    return f.read()[-chars:]

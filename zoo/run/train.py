@@ -209,6 +209,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> step
         reporter.defer(done, step_metrics, check_step(state))
       if save_due:
         owner.check()
+        writer.sync()  # Rows up to this step outlast a failing disk, as the step will.
         saver.save(done, state)
       if preempted:
         logging.warning('stop requested (SIGTERM or preemption) at step %d: saved, exiting', done)

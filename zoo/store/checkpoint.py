@@ -6,7 +6,9 @@ the step is the whole data and RNG position. Every process
 writes its own shards; restores read into abstract targets that carry the *current*
 shardings, so a checkpoint written on one mesh restores onto any other.
 """
+import asyncio
 import contextlib
+import os
 import re
 import signal
 import threading
@@ -19,6 +21,7 @@ import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
+from orbax.checkpoint.path import atomicity
 
 from zoo.errors import CheckpointError
 from zoo.store import storage
@@ -79,6 +82,35 @@ def exists_on_process_0(workdir: str) -> bool:
   return bool(multihost_utils.broadcast_one_to_all(np.array(exists)))
 
 
+def _fsync_tree(path: str) -> None:
+  """fsyncs every file and folder under `path`, and its parent folder."""
+  for folder, _, files in os.walk(path):
+    for name in files:
+      fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+  for folder in [folder for folder, _, _ in os.walk(path)] + [os.path.dirname(path)]:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+
+class _DurableRename(atomicity.AtomicRenameTemporaryPath):
+  """Orbax's save-then-rename on a local disk, made durable: the step's files and folders
+  are fsync'd as soon as it is renamed into place. Without it the newest step's small
+  metadata files live only in the page cache for seconds (ext4 delays writing file data),
+  and a disk that fails or a host that loses power then leaves them empty: the restart
+  finds its newest step damaged."""
+
+  async def finalize(self):
+    await super().finalize()
+    await asyncio.to_thread(_fsync_tree, os.fspath(self.get_final()))
+
+
 def make_manager(workdir: str, keep: int, use_async: bool, replica_parallel: bool = False,
                  compress: bool = True) -> ocp.CheckpointManager:
   """A manager for `workdir/checkpoints`; incomplete (killed) saves are cleaned up.
@@ -89,7 +121,8 @@ def make_manager(workdir: str, keep: int, use_async: bool, replica_parallel: boo
   options = ocp.CheckpointManagerOptions(
       preservation_policy=ocp.checkpoint_managers.LatestN(keep),
       enable_async_checkpointing=use_async, cleanup_tmp_directories=True, create=True,
-      single_host_load_and_broadcast=True)  # Every host sees process 0's list of steps.
+      single_host_load_and_broadcast=True,  # Every host sees process 0's list of steps.
+      temporary_path_class=None if storage.is_remote(workdir) else _DurableRename)
   return ocp.CheckpointManager(directory_of(workdir),
                                item_handlers=_handler(replica_parallel, compress),
                                options=options)

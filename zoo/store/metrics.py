@@ -21,6 +21,7 @@ _ZOO_DIR = os.path.dirname(os.path.abspath(__file__))
 _STDLIB = sysconfig.get_paths()['stdlib']
 CLOSE_SECONDS = 10.0  # The longest a metrics writer (TensorBoard, W&B) may take to close.
 _THREAD_FAULTS: list = []  # Errors that ended a writer thread (zoo's or a library's).
+_OPEN: list = []  # The MetricWriters open now: a writer thread failing after theirs closed is quiet.
 
 
 def _record_thread_faults() -> None:
@@ -36,10 +37,19 @@ def _record_thread_faults() -> None:
     if not (writer and isinstance(args.exc_value, OSError)):
       previous(args)
       return
-    _THREAD_FAULTS.append(args.exc_value)
-    logging.warning('writer thread %s stopped: %s', type(args.thread).__name__, args.exc_value)
+    if _OPEN:  # Once the run's writers are closed (abandoned), its end was already reported.
+      _THREAD_FAULTS.append(args.exc_value)
+      logging.warning('writer thread %s stopped: %s', type(args.thread).__name__, args.exc_value)
   hook.zoo = True
   threading.excepthook = hook
+  previous_unraisable = sys.unraisablehook
+  def unraisable(args):
+    # tensorboardX's bucket writer flushes again from __del__ at exit and prints a
+    # traceback when the bucket refuses: the run has ended with that error already.
+    owner = getattr(args.object, '__module__', None) or type(args.object).__module__
+    if not (owner or '').startswith('tensorboardX') or _OPEN:
+      previous_unraisable(args)
+  sys.unraisablehook = unraisable
 
 
 def bounded(close: Callable[[], None], what: str, seconds: Optional[float] = None) -> None:
@@ -152,12 +162,13 @@ class MetricWriter:
           logdir=workdir, flush_secs=10, purge_step=start_step + 1)), 'TensorBoard events')
       if self._wandb:
         self._wandb.start(logged)
+      _OPEN.append(self)
 
   def write(self, step: int, scalars: dict) -> None:
     if not self._active:
       return
     if _THREAD_FAULTS:  # A writer thread died: the run ends with its error.
-      raise storage.named(_THREAD_FAULTS[0], f'{self._workdir} (TensorBoard events)')
+      raise self._fault(_THREAD_FAULTS[0])
     row = {'step': int(step), **{k: float(v) for k, v in scalars.items()}}
     try:
       if self._jsonl:
@@ -173,6 +184,25 @@ class MetricWriter:
         self._tb('add_scalar', name, value, global_step=row['step'])
     if self._wandb:
       self._wandb.write(row['step'], {k: v for k, v in row.items() if k != 'step'})
+
+  def _fault(self, error: Exception) -> Exception:
+    """A writer thread's error, naming where it wrote: a storage error with the path; a
+    bucket's refusal (tensorboardX writes buckets with google-cloud-storage) as one line."""
+    where = f'{self._workdir} (TensorBoard events)'
+    if isinstance(error, OSError):
+      return storage.named(error, where)
+    first = (str(error).strip().splitlines() or [''])[0]
+    return ZooError(f'{where}: {type(error).__name__}: {first}; check the credentials, '
+                    'permissions and network, then run the same command again')
+
+  def sync(self) -> None:
+    """Makes the rows written so far durable (fsync): called before each checkpoint, so a
+    disk that fails keeps every row up to the step a restart resumes from."""
+    if self._active and self._jsonl:
+      try:
+        os.fsync(self._jsonl.fileno())
+      except OSError as e:
+        raise storage.named(e, self._path) from None
 
   def text(self, step: int, name: str, text: str) -> None:
     if self._active:
@@ -190,6 +220,8 @@ class MetricWriter:
     """Closes every writer, each within CLOSE_SECONDS; the first error is raised after."""
     if not self._active:
       return
+    if self in _OPEN:
+      _OPEN.remove(self)
     closers = [self._tb.close] + ([self._jsonl.close] if self._jsonl else [])
     closers = [lambda c=c: self._named_close(c) for c in closers]
     closers += [lambda: bounded(self._wandb.close, 'W&B')] if self._wandb else []
@@ -199,7 +231,7 @@ class MetricWriter:
         close()
       except Exception as e:  # pylint: disable=broad-except  # Close the others first.
         errors.append(e)
-    errors += [storage.named(e, f'{self._workdir} (TensorBoard events)') for e in _THREAD_FAULTS]
+    errors += [self._fault(e) for e in _THREAD_FAULTS]
     if errors:  # A writer that died after the last row still fails the run.
       raise errors[0]
 
