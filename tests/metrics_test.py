@@ -83,3 +83,19 @@ def test_a_dead_tensorboard_writer_ends_the_run_with_its_error_and_closes_in_bou
   assert str(tmp_path) in outcome['filename']
   assert outcome['close_s'] < 5
   assert time.monotonic() - t0 < 45
+
+
+def test_a_tensorboard_writer_refused_at_close_names_the_workdir(tmp_path, monkeypatch):
+  """A bucket that refuses TensorBoard's last flush (google-cloud-storage raises its own
+  Forbidden, not an OSError) ends the run as one line naming the workdir."""
+  import pytest  # pylint: disable=import-outside-toplevel
+  from zoo.errors import ZooError  # pylint: disable=import-outside-toplevel
+
+  class Forbidden(Exception):
+    pass
+  writer = metrics.MetricWriter(str(tmp_path), active=True, start_step=0)
+  def refuse():
+    raise Forbidden('403 POST .../upload/storage/v1/b/bucket/o: writes refused')
+  monkeypatch.setattr(writer._tb._writer, 'close', refuse)  # pylint: disable=protected-access
+  with pytest.raises(ZooError, match=f'^{tmp_path} \\(TensorBoard events\\): Forbidden: 403 '):
+    writer.close()

@@ -215,6 +215,10 @@ class MetricWriter:
       close()
     except OSError as e:
       raise storage.named(e, self._workdir) from None
+    except ZooError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except  # A bucket refusing TensorBoard's flush.
+      raise self._fault(e) from None
 
   def close(self) -> None:
     """Closes every writer, each within CLOSE_SECONDS; the first error is raised after."""
