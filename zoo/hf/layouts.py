@@ -13,6 +13,7 @@ padded to zoo's vocabulary multiple of 128 (zero rows, never predicted), which e
 drops; ViT's patch convolution [D, C, p, p] becomes Flax's [p, p, C, D].
 """
 import dataclasses
+import math
 from typing import Callable, Optional
 
 import numpy as np
@@ -89,11 +90,30 @@ def _bias_heads(name, heads, head, path):
 
 
 @dataclasses.dataclass(frozen=True)
+class Kind:
+  """What the models of a layout read: text (with a tokenizer) or images."""
+  task: str                                 # A key of zoo.run.tasks.TASKS.
+  size_field: str                           # The model field the data sizes.
+  tokenizer: bool                           # A workdir of it keeps the tokenizer.json.
+  data: Callable[[dict], dict]              # Model fields -> config.data (a shape only).
+  example: Callable[[dict], dict]           # Model fields -> one example batch.
+
+
+TEXT = Kind('lm', 'vocab_size', True,
+            lambda f: {'name': 'tokens', 'path': '', 'seq_len': min(f['max_len'], 1024)},
+            lambda f: {'inputs': np.zeros((1, 8), np.int32), 'targets': np.zeros((1, 8), np.int32)})
+IMAGES = Kind('classification', 'num_classes', False, lambda f: {'name': 'records', 'path': ''},
+              lambda f: {'inputs': np.zeros((1, f['image_size'], f['image_size'],
+                                             f['num_channels']), np.float32),
+                         'targets': np.zeros((1,), np.int32)})
+
+
+@dataclasses.dataclass(frozen=True)
 class Architecture:
   """A HF model type zoo speaks."""
   hf_class: str                  # transformers' class that loads an export.
   family: str                    # zoo's model.name.
-  task: str
+  kind: Kind
   # HF config.json -> config.model fields (not name; the ViT adds image_size, num_channels).
   from_hf: Callable[[dict], dict]
   to_hf: Callable[[dict], dict]           # The same fields -> HF config.json.
@@ -101,6 +121,8 @@ class Architecture:
   tensors: Callable[[dict], list]
   matches: Callable[[dict], bool]         # Whether config.model fields are this layout.
   ignored: tuple = ()                     # HF tensor name suffixes an import may skip.
+  # (fields, params by path) -> fields an export reads off the params (the ViT's image).
+  from_params: Callable[[dict, dict], dict] = lambda fields, params: fields
 
 
 # GPT-2: learned positions, LayerNorm with bias, GELU (tanh), biases, tied embeddings.
@@ -300,15 +322,24 @@ def _vit_matches(m):
   return m.get('use_bias') and m.get('mlp_activation') == 'gelu_exact' and m.get('pool') == 'cls'
 
 
+def _vit_image(fields: dict, params: dict) -> dict:
+  """The image a ViT takes, read off its parameters: channels from the patch kernel, size
+  from the positions (one per patch, plus the class token)."""
+  kernel, positions = params['patch_embed/kernel'], params['pos_embed']
+  return {**fields, 'num_channels': kernel.shape[2],
+          'image_size': fields['patch_size'] * math.isqrt(positions.shape[0] - 1)}
+
+
 ARCHITECTURES = {
-    'gpt2': Architecture('GPT2LMHeadModel', 'transformer_lm', 'lm', _gpt2_from_hf, _gpt2_to_hf,
+    'gpt2': Architecture('GPT2LMHeadModel', 'transformer_lm', TEXT, _gpt2_from_hf, _gpt2_to_hf,
                          _gpt2_tensors, _gpt2_matches,
                          ignored=('.attn.bias', '.attn.masked_bias', 'lm_head.weight')),
-    'llama': Architecture('LlamaForCausalLM', 'transformer_lm', 'lm', _llama_from_hf, _llama_to_hf,
+    'llama': Architecture('LlamaForCausalLM', 'transformer_lm', TEXT, _llama_from_hf, _llama_to_hf,
                           _llama_tensors, _llama_matches, ignored=('.rotary_emb.inv_freq',)),
-    'vit': Architecture('ViTForImageClassification', 'vit', 'classification', _vit_from_hf,
-                        _vit_to_hf, _vit_tensors, _vit_matches, ignored=('vit.pooler.dense.weight',
-                                                                          'vit.pooler.dense.bias')),
+    'vit': Architecture('ViTForImageClassification', 'vit', IMAGES, _vit_from_hf, _vit_to_hf,
+                        _vit_tensors, _vit_matches,
+                        ignored=('vit.pooler.dense.weight', 'vit.pooler.dense.bias'),
+                        from_params=_vit_image),
 }
 
 

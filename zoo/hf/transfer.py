@@ -116,22 +116,15 @@ def zoo_config(arch: hf.Architecture, fields: dict) -> ml_collections.ConfigDict
   config.model.name = arch.family
   accepted = {f.name for f in dataclasses.fields(models.MODELS[arch.family].module)}
   config.model.update({k: v for k, v in fields.items() if k in accepted})
-  if arch.task == 'lm':
-    config.data.update(name='tokens', path='', seq_len=min(fields['max_len'], 1024))
-  else:
-    config.data.update(name='records', path='')
+  config.data.update(arch.kind.data(fields))
   config.mesh.shape = (-1, 1)
   return config
 
 
 def _example(arch: hf.Architecture, fields: dict) -> tuple[dict, dict]:
-  if arch.task == 'lm':
-    tokens = np.zeros((1, 8), np.int32)
-    return {'vocab_size': fields['vocab_size']}, {'inputs': tokens, 'targets': tokens}
-  image = np.zeros((1, fields['image_size'], fields['image_size'], fields['num_channels']),
-                   np.float32)
-  return {'num_classes': fields['num_classes']}, {'inputs': image,
-                                                  'targets': np.zeros((1,), np.int32)}
+  """(the data's model fields, one example batch) of a model with these fields."""
+  size = arch.kind.size_field
+  return {size: fields[size]}, arch.kind.example(fields)
 
 
 def _flat(tree: Any) -> dict[str, Any]:
@@ -147,7 +140,7 @@ def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.S
   expected = arch.tensors(fields)
   check_tensors(expected, _shapes(files), arch.ignored)
   tokenizer_file = os.path.join(hf_dir, TOKENIZER)
-  if arch.task == 'lm':
+  if arch.kind.tokenizer:
     tokenizer = tokenizer_lib.load(tokenizer_file, '--hf_dir',
                                    f'save the tokenizer (tokenizer.json) into {hf_dir}')
     size = tokenizer_lib.vocab_size(tokenizer)
@@ -160,7 +153,7 @@ def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.S
     raise ConfigError(f'--workdir: {workdir} already has checkpoints; import into a new workdir')
   config = zoo_config(arch, fields)
   model_fields, example = _example(arch, fields)
-  setup = setup_lib.placed(config, shapes_dataset(arch.task, model_fields, example),
+  setup = setup_lib.placed(config, shapes_dataset(arch.kind.task, model_fields, example),
                            mesh_shape, doing='importing')
   targets = _flat(setup.abstract_state().params)
   covered = sorted(p for t in expected for p in t.zoo)
@@ -185,7 +178,7 @@ def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.S
   storage.write_text(storage.join(workdir, 'imported.json'), json.dumps(
       {'hf_dir': os.path.abspath(hf_dir), 'model_type': model_type, 'hf_config': hf_config},
       indent=2))
-  if arch.task == 'lm':
+  if arch.kind.tokenizer:
     with open(tokenizer_file, encoding='utf-8') as f:
       storage.write_text(storage.join(workdir, TOKENIZER), f.read())
   # Uncompressed: zstd would hold a second copy of the model in host memory until commit.
@@ -215,7 +208,7 @@ def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30) ->
   if os.path.exists(hf_dir) and os.listdir(hf_dir):
     raise ConfigError(f'--hf_dir: {hf_dir} exists and is not empty; give a new directory')
   tokenizer_file = workdir_lib.tokenizer_file(workdir, config)
-  if arch.task == 'lm' and not tokenizer_file:
+  if arch.kind.tokenizer and not tokenizer_file:
     raise ConfigError(f'--workdir: {workdir} has no tokenizer.json (nor has its data.path); '
                       'export needs the tokenizer the model was trained with')
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -224,13 +217,9 @@ def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30) ->
   restored, step, _ = checkpoint.restore_params(directory, target, field='--workdir')
   params = _flat(restored)
   fields = {k: v for k, v in config.model.to_dict().items() if v is not None}  # None: data's.
-  if ('vocab_size' if arch.task == 'lm' else 'num_classes') not in fields:  # Its data's size.
+  if arch.kind.size_field not in fields:  # Its data's size.
     fields = {**workdir_lib.run_dataset(workdir, config).model_fields, **fields}
-  fields = hf.with_defaults(fields)
-  if arch.family == 'vit':  # The image the model takes, from its parameters.
-    kernel, positions = params['patch_embed/kernel'], params['pos_embed']
-    fields['num_channels'] = kernel.shape[2]
-    fields['image_size'] = fields['patch_size'] * math.isqrt(positions.shape[0] - 1)
+  fields = arch.from_params(hf.with_defaults(fields), params)
   tensors = {}
   for tensor in arch.tensors(fields):
     tensors[tensor.name] = np.ascontiguousarray(

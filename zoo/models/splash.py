@@ -19,8 +19,6 @@ from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel_lib
-from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
 LANES = 128          # The kernel's blocks are multiples of this along both lengths.
 MAX_BLOCK = 512      # Larger blocks, fewer grid steps (MaxText's default for long contexts).
@@ -66,6 +64,10 @@ def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: b
     fallback(f'batch {batch} and heads {heads}/{kv_heads} do not split over their mesh axes '
               f'({batch_shards}, {head_shards}/{kv_shards})')
     return None
+  # Imported here: the kernel's modules cost every zoo process ~70 ms to import.
+  from jax.experimental.pallas.ops.tpu import splash_attention  # pylint: disable=import-outside-toplevel
+  kernel_lib = splash_attention.splash_attention_kernel
+  mask_lib = splash_attention.splash_attention_mask
   # Off TPU (the tests, on CPU) Pallas interprets the kernel.
   interpret = jax.sharding.get_abstract_mesh().abstract_device.platform != 'tpu'
   blocks = kernel_lib.BlockSizes(
