@@ -119,8 +119,9 @@ def _ext4(path, size_mb=64):
                         capture_output=True, check=False, timeout=60).returncode == 0
   if not made:
     pytest.skip('cannot mount an ext4 loop device here (not root, or no loop devices)')
-  device = os.path.basename(next(line.split()[0] for line in open('/proc/mounts', encoding='utf-8')
-                                 if line.split()[1] == str(path)))
+  with open('/proc/mounts', encoding='utf-8') as mounts:
+    device = os.path.basename(next(line.split()[0] for line in mounts
+                                   if line.split()[1] == str(path)))
   def fail():
     with open(f'/sys/fs/ext4/{device}/trigger_fs_error', 'w', encoding='utf-8') as f:
       f.write('zoo test: the disk fails\n')
