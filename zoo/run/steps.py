@@ -1,7 +1,8 @@
 """The train state and the pure, jitted functions over it: train step, eval step, state check.
 
 Every function here is traced under the Setup's scope (mesh + logical axis rules), so the
-model's activation constraints are kept; the jit_* helpers bind a Setup's shardings.
+model's activation constraints are kept; a Setup's jit_train_step() and friends bind its
+shardings.
 """
 import functools
 from typing import Any, Callable

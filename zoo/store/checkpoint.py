@@ -82,21 +82,21 @@ def exists_on_process_0(workdir: str) -> bool:
   return bool(multihost_utils.broadcast_one_to_all(np.array(exists)))
 
 
+def _fsync(path: str, flags: int = os.O_RDONLY) -> None:
+  fd = os.open(path, flags)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
 def _fsync_tree(path: str) -> None:
   """fsyncs every file and folder under `path`, and its parent folder."""
   for folder, _, files in os.walk(path):
     for name in files:
-      fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-      try:
-        os.fsync(fd)
-      finally:
-        os.close(fd)
-  for folder in [folder for folder, _, _ in os.walk(path)] + [os.path.dirname(path)]:
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-      os.fsync(fd)
-    finally:
-      os.close(fd)
+      _fsync(os.path.join(folder, name))
+    _fsync(folder, os.O_RDONLY | os.O_DIRECTORY)
+  _fsync(os.path.dirname(path), os.O_RDONLY | os.O_DIRECTORY)
 
 
 class _DurableRename(atomicity.AtomicRenameTemporaryPath):

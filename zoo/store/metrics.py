@@ -105,9 +105,8 @@ def _without_exit_hooks(make: Callable[[], Any]) -> Any:
   """Returns make()'s writer without the exit hooks it registers. tensorboardX registers its
   writer's close to run at interpreter exit; once its thread died (a full disk) that close
   waits for good, so the process would never exit. zoo closes the writer itself, bounded."""
-  hooks = []
   register = atexit.register
-  atexit.register = lambda hook, *args, **kwargs: hooks.append(hook) or hook
+  atexit.register = lambda hook, *args, **kwargs: hook
   try:
     return make()
   finally:
