@@ -13,8 +13,11 @@ os.environ['JAX_PLATFORMS'] = 'cpu'
 # multi-process job they start, which inherit the environment): the same small programs
 # compile once instead of in each subprocess, which takes minutes off the suite. Fresh and
 # empty each session, so no test depends on an earlier run.
-_CACHE = tempfile.mkdtemp(prefix='zoo-test-jax-cache-')
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+# pytest-xdist's workers inherit the session's cache from the process that starts them.
+_CACHE = os.environ.get('ZOO_TEST_JAX_CACHE')
+if not _CACHE:
+  _CACHE = os.environ['ZOO_TEST_JAX_CACHE'] = tempfile.mkdtemp(prefix='zoo-test-jax-cache-')
+  atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ['JAX_COMPILATION_CACHE_DIR'] = _CACHE
 os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
@@ -39,6 +42,19 @@ def load_config(name, arg='smoke', **overrides):
       node = node[g]
     node[leaf] = value
   return config
+
+
+def tiny_gpt2(directory):
+  """Saves a tiny random GPT-2 (transformers) with zoo's bytes tokenizer into `directory`."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  torch.manual_seed(0)
+  transformers.GPT2LMHeadModel(transformers.GPT2Config(
+      vocab_size=257, n_positions=32, n_embd=16, n_layer=1, n_head=2, bos_token_id=256,
+      eos_token_id=256)).save_pretrained(directory)
+  tokenizer_lib.bytes_tokenizer().save(os.path.join(directory, 'tokenizer.json'))
+  return str(directory)
 
 
 def read_metrics(workdir):

@@ -270,10 +270,12 @@ def test_token_dataset_prepared_into_and_trained_from_a_bucket(gcs, tmp_path, de
   assert split.bytes_read() == 3 * 17 * np.dtype(meta['dtype']).itemsize  # Ranges, not shards.
 
 
-class _RefusingProxy:
-  """An HTTP proxy on 127.0.0.1 in front of the emulator that, once `refuse` is set, answers
+class _FaultyProxy:
+  """An HTTP proxy on 127.0.0.1 in front of the emulator. Once `refuse` is set it answers
   every write (POST, PUT, PATCH, DELETE) with 403 Forbidden, as a bucket does whose
-  permissions were revoked or that a retention policy locks; reads pass through."""
+  permissions were revoked or that a retention policy locks; reads pass through. While
+  `stall` is set no request gets an answer (a network or service that stopped answering):
+  each waits until it is cleared, then the connection is dropped."""
 
   def __init__(self, upstream):
     import http.client  # pylint: disable=import-outside-toplevel
@@ -281,7 +283,7 @@ class _RefusingProxy:
     import threading  # pylint: disable=import-outside-toplevel
     host, port = upstream.removeprefix('http://').split(':')
     proxy = self
-    self.refuse = threading.Event()
+    self.refuse, self.stall = threading.Event(), threading.Event()
 
     class Handler(http.server.BaseHTTPRequestHandler):
       def log_message(self, *args):  # pylint: disable=arguments-differ
@@ -289,6 +291,11 @@ class _RefusingProxy:
 
       def _forward(self):
         body = self.rfile.read(int(self.headers.get('Content-Length') or 0))
+        if proxy.stall.is_set():
+          while proxy.stall.is_set():
+            time.sleep(0.1)
+          self.close_connection = True
+          return
         if proxy.refuse.is_set() and self.command != 'GET' and self.command != 'HEAD':
           reply = json.dumps({'error': {'code': 403, 'message': 'writes refused (zoo test)',
                                         'errors': [{'reason': 'forbidden',
@@ -322,38 +329,47 @@ class _RefusingProxy:
     self.server.server_close()
 
 
-def test_a_bucket_that_starts_refusing_writes_ends_the_run_in_one_line(gcs, tmp_path):
-  """Mid-run the bucket refuses every write (403): the run ends within seconds in one line
-  naming the workdir, and once writes are allowed again it resumes from the newest
-  complete checkpoint, every step logged once."""
-  url = f'{gcs}/refused'
-  proxy = _RefusingProxy(os.environ['STORAGE_EMULATOR_HOST'])
+@pytest.mark.parametrize('fault', ['refuse', 'stall'])
+def test_a_bucket_that_refuses_or_stops_answering_ends_the_run_in_one_line(fault, gcs, tmp_path):
+  """Mid-run the bucket refuses every write (403), or answers no request at all (the main
+  thread hangs in a write, as do the lease's renewals): the run ends in one line naming the
+  workdir, within seconds of a refusal and one lease time after the last renewal of a
+  stall; once the bucket works again it resumes from the newest complete checkpoint, every
+  step logged once."""
+  url = f'{gcs}/{fault}'
+  proxy = _FaultyProxy(os.environ['STORAGE_EMULATOR_HOST'])
   args = [f'--config={experiment("mlp_digits")}:smoke', f'--workdir={url}',
           '--config.train.steps=100000', '--config.train.log_every_steps=1',
-          '--config.eval.every_steps=100000', '--config.checkpoint.every_steps=5']
+          '--config.eval.every_steps=100000', '--config.checkpoint.every_steps=5',
+          '--config.checkpoint.lease_seconds=3']
   cmd, env = _cli(*args)
   env.update(STORAGE_EMULATOR_HOST=proxy.url, TENSORSTORE_GCS_HTTP_URL=proxy.url)
+  event = getattr(proxy, fault)
   try:
-    with open(tmp_path / 'refused.log', 'w+', encoding='utf-8') as log:
+    with open(tmp_path / 'run.log', 'w+', encoding='utf-8') as log:
       run = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
       try:
         deadline = time.time() + 180
         while len(_losses(url) if 'metrics.jsonl' in _names(url) else ()) < 12:
           assert run.poll() is None and time.time() < deadline, _tail(log)
           time.sleep(0.2)
-        proxy.refuse.set()
+        event.set()
         t0 = time.monotonic()
         run.wait(timeout=90)
         took = time.monotonic() - t0
       finally:
         run.kill()
+        event.clear()
       stderr = _tail(log, 100_000)
     assert run.returncode == 1, stderr[-3000:]
     assert 'Traceback' not in stderr, stderr[-3000:]
     line = stderr.strip().splitlines()[-1]
-    assert line.startswith('zoo: error: ') and url in line, line
-    assert took < 45, took
-    proxy.refuse.clear()
+    if fault == 'refuse':
+      assert line.startswith('zoo: error: ') and url in line, line
+      assert took < 45, took
+    else:
+      assert line.startswith(f'zoo: error: --workdir: {url}: could not renew the lease for 3 s'), line
+      assert took < 3 + 5, took  # One lease time after the last renewal, plus the check.
     from zoo.store import storage  # pylint: disable=import-outside-toplevel
     steps = max(int(n) for n in storage.listdir(f'{url}/checkpoints') if n.isdigit()) + 5
     cmd, env = _cli(*args[:2], f'--config.train.steps={steps}', *args[3:])

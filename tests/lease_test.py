@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -152,3 +153,52 @@ def test_jobs_starting_together_have_one_winner(tmp_path):
   outputs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
   assert outputs == ['busy', 'busy', 'busy', 'won']
   assert os.listdir(tmp_path) == []
+
+
+_STALLING = """
+import sys, threading, time
+sys.path.insert(0, {repo!r})
+from zoo.store import lease
+owner = lease.Lease({workdir!r}, 1.0)
+owner.acquire()
+print('held', flush=True)
+never = threading.Event()
+lease.Lease._write = lambda self: never.wait()  # The storage stops answering.
+time.sleep(60)  # The main thread is stuck too (in a save, say): nothing here ends it.
+print('not ended', flush=True)
+"""
+
+
+def test_a_lease_the_storage_stops_taking_ends_the_process_within_its_ttl(tmp_path):
+  """Renewals hang and so does the main thread: the watcher ends the process one ttl after
+  the last renewal, with one line naming the workdir, and no cleanup runs."""
+  script = _STALLING.format(repo=REPO, workdir=str(tmp_path))
+  t0 = time.monotonic()
+  run = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                       timeout=60, check=False)
+  took = time.monotonic() - t0
+  assert run.returncode == 1, run.stderr[-3000:]
+  assert run.stdout == 'held\n'
+  assert run.stderr.strip().splitlines()[-1] == (
+      f'zoo: error: --workdir: {tmp_path}: could not renew the lease for 1 s (the storage did '
+      'not answer); stopped at once, since another job may now take the workdir. The newest '
+      'complete checkpoint is kept: run the same command again once the storage answers')
+  assert took < 20, took  # Python's start and zoo's imports, then 1-2 s.
+
+
+def test_renewal_errors_name_their_cause_and_release_is_bounded(tmp_path, monkeypatch):
+  monkeypatch.setattr(lease.Lease, '_watch', lambda self: None)  # (Else it would end this
+  owner = lease.Lease(str(tmp_path), 0.4)  # process, as above.) Renews every 0.1 s.
+  owner.acquire()
+  def refused(self):
+    raise PermissionError(13, 'Permission denied')
+  monkeypatch.setattr(lease.Lease, '_write', refused)
+  time.sleep(0.3)
+  assert owner._trouble == 'PermissionError: [Errno 13] Permission denied'  # pylint: disable=protected-access
+  never = threading.Event()
+  monkeypatch.setattr(lease.Lease, '_remove_if_ours', lambda self: never.wait(5))
+  monkeypatch.setattr(lease, 'RELEASE_SECONDS', 0.5)
+  t0 = time.monotonic()
+  owner.release()  # Deleting hangs: abandoned after RELEASE_SECONDS.
+  assert time.monotonic() - t0 < 2
+  never.set()

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, experiment, load_config, read_metrics, run_cli
+from conftest import REPO, experiment, load_config, read_metrics, run_cli, tiny_gpt2
 from zoo.run import train
 
 STEPS = 6
@@ -197,3 +197,52 @@ def test_sigterm_to_every_process_saves_one_agreed_step(endless, tmp_path):
   for i in (0, 1):
     assert re.search(rf'\[process {i}\] .*stop requested \(SIGTERM or preemption\) at step {saved[0]}:',
                      rest), rest[-3000:]
+
+
+@pytest.fixture(scope='module')
+def imported_gpt2(tmp_path_factory):
+  """A tiny random GPT-2 directory and its zoo import."""
+  from zoo.hf import transfer  # pylint: disable=import-outside-toplevel
+  root = tmp_path_factory.mktemp('mp_gpt2')
+  hf = tiny_gpt2(root / 'hf')
+  transfer.import_model(hf, str(root / 'run'))
+  return hf, str(root / 'run')
+
+
+@pytest.mark.parametrize('command', ['sample', 'import'])
+def test_a_command_failing_on_one_process_ends_its_peer_within_the_heartbeat(
+    command, imported_gpt2, tmp_path):
+  """Two-process zoo.sample and zoo.convert import where process 1 cannot see its input (a
+  path not mounted on its host): it exits 1 with one line naming it, and process 0, which
+  goes on into the job's collectives, ends within the heartbeat timeout instead of waiting."""
+  sys.path.insert(0, os.path.join(REPO, 'launch'))
+  import local  # pylint: disable=import-outside-toplevel
+  hf, run = imported_gpt2
+  port, missing = local.free_port(), str(tmp_path / 'not-mounted')
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  procs = []
+  for i in (0, 1):
+    if command == 'sample':
+      args = ['zoo.sample', f'--workdir={run if i == 0 else missing}', '--num_tokens=3']
+    else:
+      args = ['zoo.convert', 'import', f'--hf_dir={hf if i == 0 else missing}',
+              f'--workdir={tmp_path / "imported"}']
+    procs.append(subprocess.Popen(
+        [sys.executable, '-m', *args, '--cpu_devices=2', f'--coordinator_address=127.0.0.1:{port}',
+         '--num_processes=2', f'--process_id={i}', f'--heartbeat_timeout={HEARTBEAT}'],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+  try:
+    failed = procs[1].wait(timeout=120)
+    t0 = time.time()
+    survivor = procs[0].wait(timeout=HEARTBEAT + 60)
+    elapsed = time.time() - t0
+    stderr = [p.stderr.read() for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  flag = '--workdir' if command == 'sample' else '--hf_dir'
+  assert failed == 1, stderr[1][-2000:]
+  assert stderr[1].strip().splitlines()[-1].startswith(f'zoo: error: {flag}: {missing} '), stderr[1][-2000:]
+  assert survivor != 0, stderr[0][-2000:]
+  assert elapsed < HEARTBEAT + 10, f'process 0 took {elapsed:.1f} s'

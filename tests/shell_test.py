@@ -97,3 +97,31 @@ def test_values_too_big_for_memory_are_refused_before_anything_is_allocated(tmp_
                    f'--config.{override}', devices=2, timeout=60)
   assert _one_line_error(result).startswith('zoo: error: ' + field)
   assert not workdir.exists()
+
+
+_STUCK = """
+import sys, threading
+sys.path.insert(0, {repo!r})
+from zoo import shell
+from zoo.errors import ZooError
+shell.EXIT_SECONDS = 1.0
+def command(argv):
+  threading.Thread(target=threading.Event().wait).start()  # Never ends, and is not a daemon.
+  if {fail}:
+    raise ZooError('--workdir: it failed')
+shell.define_flags(devices=False)
+shell.run(command)
+"""
+
+
+@pytest.mark.parametrize('fail', [True, False])
+def test_a_thread_that_never_ends_does_not_keep_an_ended_command_alive(fail):
+  """A library's non-daemon thread stuck for good (a writer on a dead disk): Python's exit
+  would join it forever; the command ends EXIT_SECONDS later with its own exit status."""
+  script = _STUCK.format(repo=REPO, fail=fail)
+  run = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                       timeout=60, check=False)
+  assert run.returncode == (1 if fail else 0), run.stderr[-2000:]
+  last = run.stderr.strip().splitlines()[-1]
+  assert last == ('zoo: error: --workdir: it failed' if fail else 'zoo: warning: exiting without '
+                  'waiting for threads that did not end within 1 s: Thread-1 (wait)'), last

@@ -44,6 +44,8 @@ def main(argv: list[str]) -> None:
   if len(argv) != 2 or argv[1] not in ('import', 'export'):
     raise ZooError('give import or export: python -m zoo.convert import --hf_dir=DIR '
                    '--workdir=DIR, or export --workdir=DIR --hf_dir=DIR')
+  if not 0 < FLAGS.max_shard_gib < 2**20:  # (NaN fails too.)
+    raise ZooError(f'--max_shard_gib: must be a positive number of GiB, got {FLAGS.max_shard_gib}')
   shell.start_devices(per_core=False)  # One CPU device unless --cpu_devices, as before.
   if argv[1] == 'import':
     import_model(FLAGS.hf_dir, FLAGS.workdir, FLAGS.mesh_shape)

@@ -1,4 +1,7 @@
 """Errors that reach the user as one line, `zoo: error: ...`, and a non-zero exit."""
+import logging
+import os
+import sys
 from typing import NoReturn
 
 
@@ -21,3 +24,18 @@ class NonFiniteError(ZooError, FloatingPointError):
 def fail(field: str, message: str) -> NoReturn:
   """Raises the ConfigError `config.<field>: <message>`: what is wrong and how to fix it."""
   raise ConfigError(f'config.{field}: {message}')
+
+
+def abort(line: str) -> NoReturn:
+  """Ends the process now, from any thread, with `line` as the last line and exit 1: for a
+  process whose peers must not wait for it at shutdown, or whose main thread may be stuck
+  in a call that never returns (a storage that stopped answering). Nothing else runs: no
+  cleanup, no exit hooks."""
+  for handler in logging.getLogger().handlers:  # absl's: lines already logged come first.
+    try:
+      handler.flush()
+    except Exception:  # pylint: disable=broad-except  # Ending anyway.
+      pass
+  sys.stderr.write(line + '\n')
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access

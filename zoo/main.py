@@ -62,8 +62,9 @@ def main(argv: list[str]) -> None:
 
 
 def _dry_run(config, device_memory_gib, target, max_batch):
-  if device_memory_gib < 0:
-    raise ZooError(f'--device_memory_gib: must be >= 0 (0: no check), got {device_memory_gib}')
+  if not 0 <= device_memory_gib < float('inf'):  # (NaN fails too.)
+    raise ZooError(f'--device_memory_gib: must be a finite number >= 0 (0: no check), got '
+                   f'{device_memory_gib}')
   p = plan.make_plan(config, device_memory_gib, target)
   if jax.process_index() == 0:
     print(plan.format_plan(p), flush=True)

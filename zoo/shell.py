@@ -15,12 +15,15 @@ A command is a function of its arguments (`python -m zoo.X ARGS`), run by `run`:
 import errno
 import os
 import sys
+import threading
+import time
 from typing import Callable, NoReturn, Optional
 
 from absl import app
 from absl import flags
 from absl import logging
 
+from zoo import errors
 from zoo.errors import ZooError
 
 FLAGS = flags.FLAGS
@@ -74,10 +77,27 @@ def fail(message: str) -> NoReturn:
   for them at JAX's shutdown barrier, so a process failing alone would hang the job; its
   death instead ends every peer within --heartbeat_timeout."""
   if _STARTED and _peers():
-    sys.stderr.write(message + '\n')
-    sys.stderr.flush()
-    os._exit(1)  # pylint: disable=protected-access
+    errors.abort(message)
+  _exit_within(1)
   sys.exit(message)
+
+
+EXIT_SECONDS = 10.0  # The most Python's own exit may take once the command has ended.
+
+
+def _exit_within(code: int) -> None:
+  """Ends the process with `code` if Python's exit (joining threads, running exit hooks) has
+  not within EXIT_SECONDS: a library's thread stuck on storage that failed (a writer blocked
+  on a read-only disk) must not keep an ended command alive."""
+  def end():
+    time.sleep(EXIT_SECONDS)
+    if code == 0:  # (A failure's line stays the last.)
+      stuck = [t.name for t in threading.enumerate() if not t.daemon and t.name != 'MainThread']
+      sys.stderr.write(f'zoo: warning: exiting without waiting for threads that did not end '
+                       f'within {EXIT_SECONDS:.0f} s: {", ".join(stuck) or "exit hooks"}\n')
+      sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
+  threading.Thread(target=end, name='zoo-exit', daemon=True).start()
 
 
 def _peers() -> bool:
@@ -108,6 +128,7 @@ def _main(command: Callable[[list[str]], None], argv: list[str]) -> None:
     metrics.quiet_libraries()
   try:
     command(argv)
+    _exit_within(0)
   except ZooError as e:
     fail(f'zoo: error: {e}')
   except BrokenPipeError:  # Output piped into a reader that stopped (`| head`): not a fault.
@@ -147,9 +168,13 @@ def run(command: Callable[[list[str]], None]) -> NoReturn:
 def _parse(argv: list[str]) -> list[str]:
   """absl's flag parsing, with a bad flag value or experiment file as one line."""
   try:
-    return FLAGS(argv)
+    rest = FLAGS(argv)
   except Exception as e:  # pylint: disable=broad-except  # absl's and ml_collections' errors.
     fail(f'zoo: error: {_flag_error(e, argv)}')
+  for name, flag in FLAGS._flags().items():  # pylint: disable=protected-access
+    if flag.present and flag.default is None and flag.value in ('', ['']):
+      fail(f'zoo: error: --{name} is empty; give a value, or leave the flag out')
+  return rest
 
 
 def _unknown_field(config, dotted: str) -> Optional[str]:

@@ -125,11 +125,17 @@ def _inspect(path: str, image_size: int, train: bool) -> tuple:
     return None, None, None, 0, f'{path} ({type(e).__name__}: {reason})'
 
 
+MAX_IMAGE_SIZE = 8192  # Pixels a side: 192 MiB an RGB image, as uint8.
+
+
 def plan(root: str, val_fraction: float = 0.01, seed: int = 0, image_size: int = 0,
          progress_bar: Optional[Callable] = None) -> Plan:
   """Scans and decodes every image once, on threads over the cores: ConfigError naming and
   counting the unreadable ones, or images of different sizes without `image_size`; the
   training images' mean and std per channel (in [0, 1])."""
+  if not 0 <= image_size <= MAX_IMAGE_SIZE:
+    raise ConfigError(f'--image_size: must be in [1, {MAX_IMAGE_SIZE}] pixels (0: keep the sizes), '
+                      f'got {image_size}')
   classes, examples = _scan(root, val_fraction, seed)
   everything = [(p, True) for p, _ in examples['train']] + [(p, False) for p, _ in examples['val']]
   bar = progress_bar(len(everything), 'checking images', unit='img') if progress_bar else None

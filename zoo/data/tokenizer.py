@@ -49,12 +49,18 @@ def bytes_tokenizer() -> tokenizers.Tokenizer:
   return tokenizer
 
 
+MAX_BPE_VOCAB = 2**22
+
+
 def train_bpe(documents: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer:
   """A byte-level BPE trained on `documents`: every byte is in the vocabulary (nothing is
   ever unknown), the end-of-document token is id 0, merges fill the rest."""
   if vocab_size < 257:
     raise ConfigError(f'--vocab_size: {vocab_size} is too small for a byte-level BPE (256 bytes '
                       'and the end-of-document token); use at least 257, e.g. 8192')
+  if vocab_size > MAX_BPE_VOCAB:  # The trainer allocates ~70 bytes per entry up front.
+    raise ConfigError(f'--vocab_size: {vocab_size} is more than a BPE vocabulary zoo trains '
+                      f'({MAX_BPE_VOCAB:,}; the largest in use are ~262k); e.g. 8192 to 131072')
   tokenizer = tokenizers.Tokenizer(models.BPE())
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tokenizer.decoder = decoders.ByteLevel()

@@ -37,6 +37,10 @@ def cores_as_devices() -> int:
   return 2 ** int(math.log2(max(cores or 1, 1)))
 
 
+MAX_CPU_DEVICES = 4096  # Emulated: each costs host memory and threads.
+MAX_PROCESSES = 2**17  # A typo beyond: JAX's coordinator sets up every one it waits for.
+
+
 def initialize(coordinator_address: Optional[str] = None, num_processes: Optional[int] = None,
                process_id: Optional[int] = None, cpu_devices: Optional[int] = None,
                initialization_timeout: int = 300, heartbeat_timeout: int = 60,
@@ -53,6 +57,12 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
   Returns the per-core device count if it set one.
   """
   per_core_devices = None
+  if cpu_devices is not None and not 1 <= cpu_devices <= MAX_CPU_DEVICES:
+    raise ConfigError(f'--cpu_devices: must be in [1, {MAX_CPU_DEVICES}], got {cpu_devices}')
+  for flag, seconds in (('initialization_timeout', initialization_timeout),
+                        ('heartbeat_timeout', heartbeat_timeout)):
+    if seconds < 1:
+      raise ConfigError(f'--{flag}: must be at least 1 second, got {seconds}')
   if cpu_devices:
     jax.config.update('jax_platforms', 'cpu')
     jax.config.update('jax_num_cpu_devices', cpu_devices)
@@ -66,6 +76,12 @@ def initialize(coordinator_address: Optional[str] = None, num_processes: Optiona
     if any(v is None for v in explicit):
       raise ConfigError('--coordinator_address, --num_processes and --process_id go together; '
                         'give all three (or none, to auto-detect a cluster)')
+    host, _, port = coordinator_address.rpartition(':')
+    if not host or not port.isdigit():
+      raise ConfigError(f'--coordinator_address: {coordinator_address!r} is not host:port; give '
+                        "process 0's address and a free port, e.g. 10.0.0.2:1234")
+    if not 1 <= num_processes <= MAX_PROCESSES:
+      raise ConfigError(f'--num_processes: must be in [1, {MAX_PROCESSES}], got {num_processes}')
     if not 0 <= process_id < num_processes:
       raise ConfigError(f'--process_id: {process_id} is not in '
                         f'[0, --num_processes={num_processes})')

@@ -110,12 +110,15 @@ def gpu_target_config(gpu: str) -> str:
           f'device_description_str: "{g["name"]}"\n')
 
 
+MAX_SLICES = 1024  # Far beyond any multi-slice job run so far (tens of slices).
+
+
 def parse(name: str, num_slices: int = 1, field: str = '--topology') -> Target:
   """A Target from a Cloud TPU accelerator type ('v5p-64', 'v5litepod-256', 'v6e-8'),
   libtpu's form ('v5p:2x4x4'), or GPUs ('h100-16'); ConfigError naming `field` otherwise."""
   known = ', '.join([f'{g}-N' for g in GENERATIONS] + [f'{g}-N' for g in GPUS])
-  if num_slices < 1:
-    raise ConfigError(f'--num_slices: must be at least 1, got {num_slices}')
+  if not 1 <= num_slices <= MAX_SLICES:
+    raise ConfigError(f'--num_slices: must be in [1, {MAX_SLICES}], got {num_slices}')
   if (m := re.fullmatch(r'([a-z0-9]+):(\d+(?:x\d+){1,2})', name)):
     generation, shape = m.group(1), tuple(int(s) for s in m.group(2).split('x'))
     libtpu = {g: v[0] for g, v in GENERATIONS.items()}.get(generation, generation)

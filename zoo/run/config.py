@@ -77,7 +77,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint.init_from = ''             # A run's workdir or checkpoints/: start from its params.
   c.checkpoint.fallback = False           # Newest checkpoint damaged: resume from an older one.
   c.checkpoint.lease_seconds = 60.0       # The workdir's owner renews its lease; after this much
-                                          # silence (a lost host) another job may take over.
+                                          # silence (a lost host) another job may take over, and
+                                          # a run whose storage stopped answering ends.
   # False: each shard is written once, by its first replica (fastest on one host: the loop
   # is blocked ~4x less on CPU). True: replicas split the write, which pays off only when
   # many hosts hold copies of large replicated arrays.
@@ -145,8 +146,9 @@ def from_flag(holder: Any) -> ml_collections.ConfigDict:
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Raises ConfigError on the first bad field; needs only the config and device count.
 
-  Generic fields are checked here; the model family and the data source check their own
-  (ModelFamily.check_config, DataSource.check_config).
+  The run's own fields are checked here; each other owner checks its section: the model
+  family and the data source (ModelFamily.check_config, DataSource.check_config), the mesh
+  and its rules, the optimizer (optim.check_config).
   """
   if config.model.get('name') not in models.MODELS:
     fail('model.name', f'unknown model {config.model.get("name")!r}; '
@@ -179,14 +181,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
     group, key = field.split('.')
     if config[group][key] <= 0:
       fail(field, f'must be positive, got {config[group][key]}')
-  if not config.optimizer.learning_rate > 0:
-    fail('optimizer.learning_rate', f'must be positive, got {config.optimizer.learning_rate}')
-  if config.optimizer.name not in optim.OPTIMIZERS:
-    fail('optimizer.name', f'unknown optimizer {config.optimizer.name!r}; '
-         f'known: {", ".join(optim.OPTIMIZERS)}')
-  if config.optimizer.schedule not in optim.SCHEDULES:
-    fail('optimizer.schedule', f'unknown schedule {config.optimizer.schedule!r}; '
-         f'known: {", ".join(optim.SCHEDULES)}')
+  optim.check_config(config.optimizer)
   _validate_batch_sizes(config, num_devices)
 
 

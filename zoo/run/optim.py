@@ -3,8 +3,20 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zoo.errors import fail
+
 OPTIMIZERS = ('adamw', 'sgd')
 SCHEDULES = ('constant', 'cosine', 'linear')
+
+
+def check_config(c) -> None:
+  """Raises ConfigError naming the first bad `optimizer.*` field."""
+  if not c.learning_rate > 0:
+    fail('optimizer.learning_rate', f'must be positive, got {c.learning_rate}')
+  if c.name not in OPTIMIZERS:
+    fail('optimizer.name', f'unknown optimizer {c.name!r}; known: {", ".join(OPTIMIZERS)}')
+  if c.schedule not in SCHEDULES:
+    fail('optimizer.schedule', f'unknown schedule {c.schedule!r}; known: {", ".join(SCHEDULES)}')
 
 
 def make_schedule(learning_rate: float, schedule: str, warmup_steps: int,

@@ -1,5 +1,6 @@
 """Text from a trained run: what `zoo.sample` runs (see zoo/sample.py)."""
 import functools
+import math
 from typing import Sequence
 
 from absl import logging
@@ -13,6 +14,7 @@ from zoo.run import setup as setup_lib
 from zoo.run import workdir as workdir_lib
 from zoo.store import checkpoint
 
+MAX_NEW_TOKENS = 2**20  # Per sample and call.
 DECODINGS = ('auto', 'cache', 'recompute')
 
 
@@ -48,8 +50,13 @@ def generate(workdir: str, prompts: Sequence[str] = ('',), num_tokens: int = 200
   for flag, value in (('num_tokens', num_tokens), ('num_samples', num_samples)):
     if value <= 0:
       raise ConfigError(f'--{flag}: must be positive, got {value}')
-  if temperature < 0:
-    raise ConfigError(f'--temperature: must be >= 0 (0 is greedy), got {temperature}')
+  if num_tokens > MAX_NEW_TOKENS:  # A step of the model each: days, at worst.
+    raise ConfigError(f'--num_tokens: {num_tokens} is more than one call generates '
+                      f'({MAX_NEW_TOKENS:,} per sample); generate in pieces, each prompted with '
+                      'the end of the last')
+  if not (temperature >= 0 and math.isfinite(temperature)):
+    raise ConfigError(f'--temperature: must be a finite number >= 0 (0 is greedy), got '
+                      f'{temperature}')
   if not 0 < top_p <= 1:
     raise ConfigError(f'--top_p: must be in (0, 1] (1: all tokens), got {top_p}')
   if decoding not in DECODINGS:
@@ -59,14 +66,22 @@ def generate(workdir: str, prompts: Sequence[str] = ('',), num_tokens: int = 200
   vocab_size = dataset.model_fields['vocab_size']
   if not 0 <= top_k <= vocab_size:
     raise ConfigError(f'--top_k: must be in [0, {vocab_size}] (the vocabulary), got {top_k}')
-  rows = []  # (prompt, ids fed, how many of them are not shown), num_samples per prompt.
+  encoded = []  # (prompt, ids fed, how many of them are not shown).
   for prompt in prompts:
     ids, hidden = encode_prompt(dataset, prompt, vocab_size), 0
     if not len(ids):  # Nothing to continue: start from a newline (or token 0), not shown.
       newline = dataset.encode is not None and dataset.decode(dataset.encode('\n')) == '\n'
       ids, hidden = (dataset.encode('\n') if newline else np.zeros(1, np.int32)), 1
-    rows += [(prompt, np.asarray(ids, np.int32), hidden)] * num_samples
-  longest = max(len(ids) for _, ids, _ in rows)
+    encoded.append((prompt, np.asarray(ids, np.int32), hidden))
+  longest = max(len(ids) for _, ids, _ in encoded)
+  row_bytes = 4 * (longest + num_tokens + vocab_size)  # Its ids and one step's logits.
+  host = setup_lib.host_bytes_available()
+  if host is not None and len(encoded) * num_samples * row_bytes > host:
+    raise ConfigError(f'--num_samples: {len(encoded)} prompts x {num_samples} samples need '
+                      f'{len(encoded) * num_samples * row_bytes / 2**30:.1f} GiB of host memory '
+                      f'({row_bytes} B each), more than the {host / 2**30:.1f} GiB free; sample '
+                      'fewer at a time')
+  rows = [row for row in encoded for _ in range(num_samples)]
   setup = setup_lib.placed(config, dataset, mesh_shape, len(rows), 'sampling')
   fits = longest + num_tokens <= setup.model.max_len
   if decoding == 'cache' and not fits:

@@ -173,7 +173,7 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
   return setup
 
 
-def _host_bytes_available() -> Optional[int]:
+def host_bytes_available() -> Optional[int]:
   """The host memory a process can still take (Linux's MemAvailable), if known."""
   try:
     with open('/proc/meminfo', encoding='ascii') as f:
@@ -215,7 +215,7 @@ def check_memory(setup: Setup) -> None:
   leaves = jax.tree_util.tree_leaves_with_path(state)
   per_device = sum(shard(x) for _, x in leaves)
   largest_path, largest = max(leaves, key=lambda kv: shard(kv[1]))
-  host = _host_bytes_available()
+  host = host_bytes_available()
   stats = local[0].memory_stats() or {}
   if stats.get('bytes_limit'):
     limit, where = stats['bytes_limit'], f'a {local[0].device_kind} device has'

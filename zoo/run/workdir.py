@@ -39,7 +39,13 @@ def load_run(workdir: str, require_lm: bool = True) -> tuple[ml_collections.Conf
   if not storage.path(path).is_file():
     raise ConfigError(f'--workdir: {workdir} has no config.json; give the workdir of a training '
                       'run')
-  config = ml_collections.ConfigDict(read_json(path, '--workdir'))
+  raw = read_json(path, '--workdir')
+  if not isinstance(raw, dict) or not isinstance(raw.get('model'), dict) or not isinstance(
+      raw.get('data'), dict):
+    raise ConfigError(f'--workdir: {path} is not the config of a zoo run (no model and data '
+                      'sections); give the workdir of a training run, or import a Hugging Face '
+                      'directory first (python -m zoo.convert import)')
+  config = ml_collections.ConfigDict(raw)
   name = config.model.get('name')
   if require_lm and (name not in models.MODELS
                      or models.MODELS[name].task != tasks.LanguageModel.name):

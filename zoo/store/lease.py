@@ -8,6 +8,12 @@ stops with one line naming the owner. An owner that died leaves its lease behind
 blocks nobody for long: it expires `ttl` seconds after the last renewal, and at once
 when the owner was a process on this host that no longer exists (a SIGKILL, a crash).
 
+A run that cannot renew its lease for `ttl` seconds (a storage that refuses writes or stopped
+answering) ends at once with one line: from then on another job may take the workdir, and
+its main thread may be stuck in a storage call that never returns, past any cleanup. What it
+leaves is what a crash leaves: the newest complete checkpoint, and a lease already expired.
+Releasing the lease at the end is bounded the same way.
+
 Every read-decide-write runs under an exclusive `flock` of `workdir/lease.lock` (held for
 milliseconds, deleted with the lease), so two jobs starting together cannot both win;
 flock works on local disks and on NFS (v4, or v3 with lockd). A gs:// bucket has no locks:
@@ -30,11 +36,13 @@ import jax
 from jax.experimental import multihost_utils
 import numpy as np
 
+from zoo import errors
 from zoo.errors import ConfigError
 from zoo.store import storage
 
 LEASE = 'lease.json'
 LOCK = 'lease.lock'
+RELEASE_SECONDS = 10.0  # The most a clean exit waits to delete the lease (it expires anyway).
 
 
 class WorkdirBusyError(ConfigError):
@@ -63,6 +71,9 @@ class Lease:
     self.lost: Optional[str] = None  # Why renewing failed, if it did.
     self._stop = threading.Event()
     self._thread: Optional[threading.Thread] = None
+    self._watcher: Optional[threading.Thread] = None
+    self._renewed = time.monotonic()  # When the lease was last written (or acquire began).
+    self._trouble = ''  # Why the last renewal failed, if it did.
     self._created: list[str] = []  # Directories that acquire() made, deepest first.
 
   @contextlib.contextmanager
@@ -126,6 +137,18 @@ class Lease:
 
   def acquire(self) -> None:
     """Takes the workdir, or raises WorkdirBusyError naming its live owner."""
+    self._watcher = threading.Thread(target=self._watch, name='zoo-lease-watch', daemon=True)
+    self._watcher.start()  # Taking the lease is bounded too.
+    try:
+      self._take()
+    except BaseException:
+      self._stop.set()
+      raise
+    self._renewed = time.monotonic()
+    self._thread = threading.Thread(target=self._renew_loop, name='zoo-lease', daemon=True)
+    self._thread.start()
+
+  def _take(self) -> None:
     self._prepare()
     with self._locked():
       held = self._read()
@@ -146,8 +169,6 @@ class Lease:
         raise WorkdirBusyError(f'--workdir: {self.workdir} was taken by another job starting at '
                                'the same moment; stop one of them, or use another --workdir'
                                ) from None
-    self._thread = threading.Thread(target=self._renew_loop, name='zoo-lease', daemon=True)
-    self._thread.start()
 
   def _renew_loop(self) -> None:
     while not self._stop.wait(self.ttl / 4):
@@ -160,10 +181,26 @@ class Lease:
             logging.error('lost ownership of %s: %s', self.workdir, self.lost)
             return
           self._write()
+        self._renewed, self._trouble = time.monotonic(), ''
       except _Taken:
         continue  # Read again: the next round says who has it.
       except Exception as e:  # pylint: disable=broad-except  # Storage trouble: keep trying.
-        logging.warning('could not renew the lease on %s: %s', self.workdir, e)
+        self._trouble = f'{type(e).__name__}: {(str(e).strip().splitlines() or [""])[0]}'
+        logging.warning('could not renew the lease on %s: %s', self.workdir, self._trouble)
+
+  def _watch(self) -> None:
+    """Ends the process once the lease has gone `ttl` seconds without being written."""
+    while not self._stop.wait(min(1.0, self.ttl / 8)):
+      silent = time.monotonic() - self._renewed
+      if self.lost:
+        return  # Taken over: the main thread stops at its next check().
+      if silent > self.ttl:
+        doing = 'renew' if self._thread is not None else 'take'
+        errors.abort(
+            f'zoo: error: --workdir: {self.workdir}: could not {doing} the lease for {silent:.0f} s '
+            f'({self._trouble or "the storage did not answer"}); stopped at once, since another '
+            'job may now take the workdir. The newest complete checkpoint is kept: run the same '
+            'command again once the storage answers')
 
   def check(self) -> None:
     """Raises WorkdirBusyError if another job has taken the workdir over."""
@@ -175,15 +212,26 @@ class Lease:
     """Stops renewing and deletes the lease if it is still ours; a workdir that acquire()
     created and nothing else wrote to is removed again."""
     self._stop.set()
-    if self._thread is not None:
-      self._thread.join()
+    deadline = time.monotonic() + RELEASE_SECONDS
+    for thread in (self._thread, self._watcher):
+      if thread is not None:  # A renewal stuck in a storage call is left behind (a daemon).
+        thread.join(max(0.0, deadline - time.monotonic()))
+    remover = threading.Thread(target=self._remove_if_ours, name='zoo-lease-release', daemon=True)
+    remover.start()
+    remover.join(max(0.0, deadline - time.monotonic()))
+    if remover.is_alive():
+      logging.warning('could not delete the lease %s within %.0f s; it expires %.0f s after its '
+                      'last renewal', self.path, RELEASE_SECONDS, self.ttl)
+    for directory in self._created:
+      with contextlib.suppress(OSError):  # Not empty: the run wrote something.
+        os.rmdir(directory)
+
+
+  def _remove_if_ours(self) -> None:
     with contextlib.suppress(Exception), self._locked():  # Best effort: it expires anyway.
       held = self._read()
       if held is not None and held.get('token') == self.owner['token']:
         self._remove()
-    for directory in self._created:
-      with contextlib.suppress(OSError):  # Not empty: the run wrote something.
-        os.rmdir(directory)
 
 
 class _Taken(Exception):
