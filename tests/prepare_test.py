@@ -1,6 +1,7 @@
 """`python -m zoo.prepare`: every input format and tokenizer, the atomic output, bad input."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,6 +168,29 @@ def test_a_killed_prepare_leaves_nothing_that_trains(tmp_path, devices):
   assert not partial.exists()  # The next prepare removed the leftover.
 
 
+def test_a_corpus_too_small_for_the_val_fraction_rounds_the_val_split_up_to_one_document(
+    inputs, tmp_path):
+  """No document hashes below --val_fraction=0.001: the val split takes the one whose hash
+  is lowest, says so, and the BPE is trained without it."""
+  count = len(DOCUMENTS)
+  assert not any(tokens.in_validation(i, 0.001) for i in range(count))
+  forced = tokens.first_in_validation(count)
+  out = tmp_path / 'out'
+  result = run('text', f'--input={inputs}/docs.jsonl', '--field=body', '--tokenizer=bpe',
+               '--vocab_size=300', '--val_fraction=0.001', f'--output={out}')
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert (f'no document of {count} went to the val split at --val_fraction=0.001: it holds one '
+          f'(document {forced}), the split rounded up') in result.stderr
+  meta = json.loads((out / 'metadata.json').read_text())
+  assert meta['val_forced'] == forced
+  assert meta['splits']['val']['documents'] == 1 and meta['splits']['train']['documents'] == count - 1
+  assert _decoded(out, 'val') == [DOCUMENTS[forced]]
+  assert _decoded(out, 'train') == [d for i, d in enumerate(DOCUMENTS) if i != forced]
+  assert sorted(os.listdir(out)) == sorted(
+      ['metadata.json', 'tokenizer.json', 'token_bytes.npy']
+      + [s['file'] for split in meta['splits'].values() for s in split['shards']])
+
+
 @pytest.mark.parametrize('make,args,message', [
     (None, ['--input=/nonexistent/*.txt'], '--input: /nonexistent/*.txt matches no file'),
     ('empty.txt', [], 'files are empty; give files with text'),
@@ -176,7 +200,6 @@ def test_a_killed_prepare_leaves_nothing_that_trains(tmp_path, devices):
     ('latin1.txt', [], '--input: {input} is not UTF-8 text'),
     ('docs.jsonl', ['--field=body', '--tokenizer=missing.json'], '--tokenizer: missing.json is not a file'),
     ('docs.jsonl', ['--field=body', '--tokenizer={bad_tokenizer}'], 'is not a valid tokenizer.json'),
-    ('docs.jsonl', ['--field=body', '--val_fraction=0.001'], '--input: the val split is empty'),
     ('docs.jsonl', ['--field=body', '--val_fraction=0'], '--val_fraction: must be in (0, 1), got 0.0'),
     ('docs.jsonl', ['--field=body', '--val_fraction=1.5'], '--val_fraction: must be in (0, 1), got 1.5'),
     ('docs.jsonl', ['--field=body', '--tokenizer=bpe', '--vocab_size=100'], '--vocab_size: 100 is too small'),
@@ -238,3 +261,15 @@ def test_images_of_other_sizes_are_resized_when_asked(tmp_path):
   meta = json.loads((tmp_path / 'out' / 'metadata.json').read_text())
   assert meta['image_shape'] == [6, 6, 1] and meta['classes'] == ['a', 'b']
   assert [meta['splits'][s]['examples'] for s in ('train', 'val')] == [6, 2]
+
+
+def test_an_image_tree_too_small_for_the_val_fraction_rounds_the_val_split_up_to_one(tmp_path):
+  root = tmp_path / 'images'
+  _images(root)
+  shutil.rmtree(root / 'val')  # Split by --val_fraction: 6 images, none hashes below 0.01.
+  result = run('images', f'--input={root}', f'--output={tmp_path / "out"}')
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert ('no image of 6 went to the val split at --val_fraction=0.01: it holds one, the split '
+          'rounded up') in result.stderr
+  meta = json.loads((tmp_path / 'out' / 'metadata.json').read_text())
+  assert [meta['splits'][s]['examples'] for s in ('train', 'val')] == [5, 1]

@@ -81,18 +81,35 @@ def text_writer(patterns: list[str]) -> Callable[[str], str]:
     raise ConfigError(f'--shard_tokens: must be positive, got {_SHARD_TOKENS.value}')
   options = dict(field=_FIELD.value, column=_COLUMN.value, val_fraction=_VAL_FRACTION.value,
                  seed=_SEED.value)
-  if _TOKENIZER.value == 'bpe':
-    logging.info('training a byte-level BPE of %d tokens on the training documents',
-                 _VOCAB_SIZE.value)
-  tokenizer = tokens.make_tokenizer(_TOKENIZER.value, _VOCAB_SIZE.value,
-                                    tokens.split_documents(files, want='train', **options))
+
+  def make_tokenizer(forced):
+    if _TOKENIZER.value == 'bpe':
+      logging.info('training a byte-level BPE of %d tokens on the training documents',
+                   _VOCAB_SIZE.value)
+    return tokens.make_tokenizer(_TOKENIZER.value, _VOCAB_SIZE.value, tokens.split_documents(
+        files, want='train', forced=forced, **options))
+  tokenizer = make_tokenizer(-1)
 
   def write(partial):
-    with progress_bar(total, 'tokenizing') as bar:
-      meta = tokens.prepare(files, partial, tokenizer, shard_tokens=_SHARD_TOKENS.value,
-                            progress=bar, **options)
-      bar.update(total - bar.n)  # Files hold more than their documents' text (JSON, Parquet).
-    return f'vocabulary {meta["vocab_size"]:,}\n' + tokens.describe(meta)
+    nonlocal tokenizer
+    forced = -1
+    while True:
+      with progress_bar(total, 'tokenizing') as bar:
+        try:
+          meta = tokens.prepare(files, partial, tokenizer, shard_tokens=_SHARD_TOKENS.value,
+                                progress=bar, forced=forced, **options)
+        except tokens.EmptyValSplit as e:  # A small corpus: again, with one val document.
+          forced = tokens.first_in_validation(e.documents, _SEED.value)
+          logging.warning('no document of %d went to the val split at --val_fraction=%g: it '
+                          'holds one (document %d), the split rounded up', e.documents,
+                          _VAL_FRACTION.value, forced)
+          for name in os.listdir(partial):
+            os.remove(os.path.join(partial, name))
+          if _TOKENIZER.value == 'bpe':  # Trained on the training documents only.
+            tokenizer = make_tokenizer(forced)
+          continue
+        bar.update(total - bar.n)  # Files hold more than their documents' text (JSON, Parquet).
+      return f'vocabulary {meta["vocab_size"]:,}\n' + tokens.describe(meta)
   return write
 
 

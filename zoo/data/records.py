@@ -26,6 +26,7 @@ import signal
 import sys
 from typing import Any, Callable, Iterator, Optional
 
+from absl import logging
 import ml_collections
 import numpy as np
 
@@ -86,7 +87,12 @@ def _scan(root: str, val_fraction: float, seed: int) -> tuple[list, dict]:
                           f'add {os.path.join(train_root, name)}')
       examples['val'] += [(f, classes.index(name)) for f in _image_files(folder)]
   else:
-    held_out = [tokens.in_validation(i, val_fraction, seed) for i in range(len(examples['train']))]
+    count = len(examples['train'])
+    held_out = [tokens.in_validation(i, val_fraction, seed) for i in range(count)]
+    if not any(held_out) and count > 1:  # A small tree: the split rounds up to one image.
+      held_out[tokens.first_in_validation(count, seed)] = True
+      logging.warning('no image of %d went to the val split at --val_fraction=%g: it holds one, '
+                      'the split rounded up', count, val_fraction)
     examples['val'] = [e for e, h in zip(examples['train'], held_out) if h]
     examples['train'] = [e for e, h in zip(examples['train'], held_out) if not h]
   for split, fix in (('train', 'add images'), ('val', 'add ROOT/val/ or raise --val_fraction')):

@@ -225,21 +225,43 @@ def describe(meta: dict) -> str:
   return '\n'.join(lines)
 
 
-def in_validation(index: int, val_fraction: float, seed: int = 0) -> bool:
-  """Whether document `index` belongs to the validation split: a fixed hash of (seed,
-  index) below val_fraction, so the split does not depend on how documents are batched."""
-  x = (index + (seed + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF  # splitmix64.
+def _hash(index: int, seed: int) -> float:
+  """A fixed hash of (seed, index) in [0, 1): splitmix64."""
+  x = (index + (seed + 1) * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
   x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
   x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-  return (x ^ (x >> 31)) / 2.0**64 < val_fraction
+  return (x ^ (x >> 31)) / 2.0**64
 
 
-def split_documents(files, field, column, val_fraction, seed, want) -> Iterator[str]:
+def in_validation(index: int, val_fraction: float, seed: int = 0, forced: int = -1) -> bool:
+  """Whether document `index` belongs to the validation split: a fixed hash of (seed,
+  index) below val_fraction, so the split does not depend on how documents are batched;
+  and document `forced` (see first_in_validation)."""
+  return index == forced or _hash(index, seed) < val_fraction
+
+
+def first_in_validation(count: int, seed: int = 0) -> int:
+  """The document of `count` that a split too small for any goes to: the one whose hash is
+  lowest, the first a larger val_fraction would take (the split rounds up to one document,
+  as scikit-learn's train_test_split does)."""
+  return min(range(count), key=lambda i: _hash(i, seed))
+
+
+class EmptyValSplit(Exception):
+  """No document hashed into the validation split; `documents`: how many there are."""
+
+  def __init__(self, documents: int):
+    super().__init__(documents)
+    self.documents = documents
+
+
+def split_documents(files, field, column, val_fraction, seed, want,
+                    forced: int = -1) -> Iterator[str]:
   """The documents of one split ('train' or 'val'), in input order (e.g. to train a BPE)."""
   index = 0
   for path in files:
     for text in documents.read(path, field, column):
-      if (want == 'val') == in_validation(index, val_fraction, seed):
+      if (want == 'val') == in_validation(index, val_fraction, seed, forced):
         yield text
       index += 1
 
@@ -254,11 +276,13 @@ def make_tokenizer(spec: str, vocab_size: int, train_documents: Iterator[str]) -
 
 
 def prepare(files: list[str], directory: str, tokenizer: Any, *, field: str = 'text',
-            column: str = 'text', val_fraction: float = 0.01, seed: int = 0,
+            column: str = 'text', val_fraction: float = 0.01, seed: int = 0, forced: int = -1,
             shard_tokens: int = 2**28, progress: Any = None, chunk_bytes: int = 2**22) -> dict:
   """Tokenizes the documents of `files` into `directory` (existing, empty); returns the
   metadata it wrote last. Documents are encoded in chunks of about `chunk_bytes`, each in
-  parallel over the cores; `progress.update(bytes)` follows the input."""
+  parallel over the cores; `progress.update(bytes)` follows the input. Raises EmptyValSplit
+  if no document went to the validation split and `forced` did not name one (the caller
+  starts again with `forced=first_in_validation(...)`)."""
   vocab_size = tokenizer_lib.vocab_size(tokenizer)
   dtype, eos = token_dtype(vocab_size), tokenizer_lib.eos_id(tokenizer)
   writers = {name: ShardWriter(directory, name, dtype, shard_tokens) for name in SPLITS}
@@ -274,7 +298,7 @@ def prepare(files: list[str], directory: str, tokenizer: Any, *, field: str = 't
 
   for path in files:
     for text in documents.read(path, field, column):
-      name = 'val' if in_validation(index, val_fraction, seed) else 'train'
+      name = 'val' if in_validation(index, val_fraction, seed, forced) else 'train'
       nbytes = len(text.encode('utf-8'))
       chunk[name].append(text)
       counts[name]['documents'] += 1
@@ -287,6 +311,10 @@ def prepare(files: list[str], directory: str, tokenizer: Any, *, field: str = 't
         flush()
         size = 0
   flush()
+  if not counts['val']['documents'] and forced < 0 and index > 1:
+    for writer in writers.values():
+      writer.close()
+    raise EmptyValSplit(index)
   for name, fix in (('train', 'give more documents'),
                     ('val', 'raise --val_fraction or give more documents')):
     if not counts[name]['documents'] or not counts[name]['tokens']:
@@ -297,6 +325,7 @@ def prepare(files: list[str], directory: str, tokenizer: Any, *, field: str = 't
   meta = {'format': FORMAT, 'version': VERSION, 'vocab_size': vocab_size, 'dtype': dtype.str,
           'eos_id': eos, 'tokenizer': {'file': 'tokenizer.json'}, 'token_bytes': 'token_bytes.npy',
           'val_fraction': val_fraction, 'seed': seed, 'inputs': files,
+          **({'val_forced': forced} if forced >= 0 else {}),
           'splits': {name: {**counts[name], 'shards': writers[name].close()} for name in SPLITS}}
   with open(os.path.join(directory, METADATA), 'w', encoding='utf-8') as f:
     json.dump(meta, f, indent=2)
