@@ -21,6 +21,12 @@ class NonFiniteError(ZooError, FloatingPointError):
   """The training loss or parameters became NaN or infinite."""
 
 
+def first_line(error: BaseException, default: str = '') -> str:
+  """The first line of `error`'s message (libraries' messages run to many lines), or
+  `default` if it has none."""
+  return (str(error).strip().splitlines() or [default])[0]
+
+
 def fail(field: str, message: str) -> NoReturn:
   """Raises the ConfigError `config.<field>: <message>`: what is wrong and how to fix it."""
   raise ConfigError(f'config.{field}: {message}')

@@ -113,7 +113,7 @@ def storage_fault(e: OSError) -> str:
   hint = {errno.ENOSPC: 'free space', errno.EDQUOT: 'free space (quota)',
           errno.EROFS: 'make the storage writable', errno.EACCES: 'fix its permissions'}.get(
               e.errno, 'fix the storage')
-  cause = e.strerror or (str(e).strip().splitlines() or [type(e).__name__])[0]
+  cause = e.strerror or errors.first_line(e, type(e).__name__)
   return f'{where}: {cause}; {hint}, then run the same command again'
 
 
@@ -141,7 +141,7 @@ def _main(command: Callable[[list[str]], None], argv: list[str]) -> None:
   except Exception as e:  # pylint: disable=broad-except
     if _is_bucket_error(e):
       fail(f'zoo: error: the bucket refused a request: {type(e).__name__}: '
-           f'{(str(e).strip().splitlines() or [""])[0]}; check the credentials, permissions and '
+           f'{errors.first_line(e)}; check the credentials, permissions and '
            'network, then run the same command again')
     logging.exception('zoo: unexpected error')
     fail('zoo: error: unexpected error (a bug in zoo: the traceback above says where; please '
@@ -208,7 +208,7 @@ def _flag_error(e: Exception, argv: list[str]) -> str:
                      if a.startswith('--config.')):
       if (unknown := _unknown_field(loaded, override)) is not None:
         return unknown
-  text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+  text = errors.first_line(e, type(e).__name__)
   if isinstance(e, KeyError) and len(text) > 1 and text[0] == text[-1] == "'":
     text = text[1:-1]  # A KeyError's message is the repr of its key.
   if isinstance(e, flags.Error):

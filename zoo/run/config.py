@@ -14,7 +14,7 @@ import ml_collections
 
 from zoo import data, models
 from zoo.data.dataset import Dataset
-from zoo.errors import ConfigError, fail
+from zoo.errors import ConfigError, fail, first_line
 from zoo.parallel import mesh as mesh_lib
 from zoo.parallel import sharding
 from zoo.run import optim, tasks
@@ -123,7 +123,7 @@ def _where(e: Exception, path: str) -> str:
   import traceback  # pylint: disable=import-outside-toplevel
   frames = [f for f in traceback.extract_tb(e.__traceback__)
             if os.path.abspath(f.filename) == os.path.abspath(path)]
-  text = (str(e).strip().splitlines() or [''])[0]
+  text = first_line(e)
   return f'{type(e).__name__}: {text}' + (f' (line {frames[-1].lineno})' if frames else '')
 
 
@@ -134,7 +134,7 @@ def from_flag(holder: Any) -> ml_collections.ConfigDict:
     value = holder.value
     error = None if isinstance(value, ml_collections.ConfigDict) else 'the file did not load'
   except Exception as e:  # pylint: disable=broad-except
-    error = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    error = first_line(e, type(e).__name__)
   if error is None:
     return value
   from absl import flags  # pylint: disable=import-outside-toplevel

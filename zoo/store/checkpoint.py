@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint import type_handlers
 from orbax.checkpoint.path import atomicity
 
-from zoo.errors import CheckpointError
+from zoo.errors import CheckpointError, first_line
 from zoo.store import storage
 
 
@@ -366,7 +366,7 @@ def _storage_cause(error: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
       return f'{e.strerror}{": " + str(e.filename) if e.filename else ""}'
   for e in chain:
-    text = (str(e).strip().splitlines() or [''])[0]
+    text = first_line(e)
     status = re.match(r'([A-Z_]{5,}): ', text)
     if status:
       last = re.sub(r'\s*\[[^\]]*\]$', '', text).rsplit(': ', 1)[-1]

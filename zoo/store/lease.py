@@ -185,7 +185,7 @@ class Lease:
       except _Taken:
         continue  # Read again: the next round says who has it.
       except Exception as e:  # pylint: disable=broad-except  # Storage trouble: keep trying.
-        self._trouble = f'{type(e).__name__}: {(str(e).strip().splitlines() or [""])[0]}'
+        self._trouble = f'{type(e).__name__}: {errors.first_line(e)}'
         logging.warning('could not renew the lease on %s: %s', self.workdir, self._trouble)
 
   def _watch(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 from absl import logging
 
-from zoo.errors import ZooError
+from zoo.errors import ZooError, first_line
 from zoo.store import storage
 
 _ZOO_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -190,7 +190,7 @@ class MetricWriter:
     where = f'{self._workdir} (TensorBoard events)'
     if isinstance(error, OSError):
       return storage.named(error, where)
-    first = (str(error).strip().splitlines() or [''])[0]
+    first = first_line(error)
     return ZooError(f'{where}: {type(error).__name__}: {first}; check the credentials, '
                     'permissions and network, then run the same command again')
 
@@ -276,7 +276,7 @@ class WandbWriter:
                                                                         silent=True))
     except (wandb.errors.Error, OSError) as e:  # No login, no network, a bad project name.
       raise ZooError(f'metrics.wandb_project: W&B refused the run: {type(e).__name__}: '
-                     f'{(str(e).strip().splitlines() or [""])[0]}; check the login and the '
+                     f'{first_line(e)}; check the login and the '
                      'project, or set WANDB_MODE=offline') from None
     logging.info('W&B run %s (%s, project %s)%s', run_id, self.mode, self.project,
                  f', continuing after step {self.after}' if self.after else '')
