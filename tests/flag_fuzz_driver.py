@@ -77,6 +77,7 @@ def main():
   spec = json.loads(sys.argv[1])
   os.chdir(tempfile.mkdtemp(prefix='zoo-flag-fuzz-'))  # Relative paths a case writes land here.
   shell._exit_within = lambda code: None  # pylint: disable=protected-access  # (This process goes on.)
+  shell._abort = sys.exit  # pylint: disable=protected-access
   shell.define_flags()
   module = importlib.import_module(spec['module'])
   if hasattr(module, 'define_flags'):

@@ -125,3 +125,27 @@ def test_a_thread_that_never_ends_does_not_keep_an_ended_command_alive(fail):
   last = run.stderr.strip().splitlines()[-1]
   assert last == ('zoo: error: --workdir: it failed' if fail else 'zoo: warning: exiting without '
                   'waiting for threads that did not end within 1 s: Thread-1 (wait)'), last
+
+
+_LATE = """
+import atexit, sys
+sys.path.insert(0, {repo!r})
+from zoo import shell
+from zoo.errors import ZooError
+def command(argv):
+  shell.start_devices('cpu')
+  atexit.register(lambda: print('late: a finalizer at exit', file=sys.stderr))
+  raise ZooError('--workdir: it failed')
+shell.define_flags()
+shell.run(command)
+"""
+
+
+def test_a_failed_command_prints_nothing_after_its_error_line():
+  """Once a command has failed, what is left of Python's exit (a dead tensorboardX writer's
+  multiprocessing queue finalizer printed a traceback there) does not run: the error line
+  is the last, and the exit status 1."""
+  run = subprocess.run([sys.executable, '-c', _LATE.format(repo=REPO)], capture_output=True,
+                       text=True, timeout=60, check=False)
+  assert run.returncode == 1, run.stderr[-2000:]
+  assert run.stderr.strip().splitlines()[-1] == 'zoo: error: --workdir: it failed', run.stderr

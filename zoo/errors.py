@@ -42,6 +42,11 @@ def abort(line: str) -> NoReturn:
       handler.flush()
     except Exception:  # pylint: disable=broad-except  # Ending anyway.
       pass
+  for stream in (sys.stdout, sys.stderr):  # What the command printed, then the line.
+    try:
+      stream.flush()
+    except Exception:  # pylint: disable=broad-except
+      pass
   sys.stderr.write(line + '\n')
   sys.stderr.flush()
   os._exit(1)  # pylint: disable=protected-access

@@ -73,13 +73,18 @@ def start_devices(platforms: Optional[str] = None, per_core: bool = True) -> Non
 
 
 def fail(message: str) -> NoReturn:
-  """Exits 1 with `message` as the last line. With peers, at once: a normal exit would wait
-  for them at JAX's shutdown barrier, so a process failing alone would hang the job; its
-  death instead ends every peer within --heartbeat_timeout."""
-  if _STARTED and _peers():
-    errors.abort(message)
+  """Exits 1 with `message` as the last line. Once the devices are up, at once: the command's
+  own cleanup has run by then, and what is left of Python's exit could print after the line
+  (a dead writer's multiprocessing queue finalizer does) or wait: with peers, at JAX's
+  shutdown barrier, where a process failing alone would hang the job; its death instead
+  ends every peer within --heartbeat_timeout."""
+  if _STARTED:
+    _abort(message)
   _exit_within(1)
   sys.exit(message)
+
+
+_abort = errors.abort  # (The flag fuzz driver, which goes on running cases, replaces it.)
 
 
 EXIT_SECONDS = 10.0  # The most Python's own exit may take once the command has ended.
@@ -98,13 +103,6 @@ def _exit_within(code: int) -> None:
       sys.stderr.flush()
     os._exit(code)  # pylint: disable=protected-access
   threading.Thread(target=end, name='zoo-exit', daemon=True).start()
-
-
-def _peers() -> bool:
-  try:
-    return sys.modules['jax'].process_count() > 1
-  except Exception:  # pylint: disable=broad-except  # Failing already: exit, whatever JAX says.
-    return False
 
 
 def storage_fault(e: OSError) -> str:
