@@ -188,7 +188,8 @@ def test_a_corpus_too_small_for_the_val_fraction_rounds_the_val_split_up_to_one_
   assert _decoded(out, 'train') == [d for i, d in enumerate(DOCUMENTS) if i != forced]
   assert sorted(os.listdir(out)) == sorted(
       ['metadata.json', 'tokenizer.json', 'token_bytes.npy']
-      + [s['file'] for split in meta['splits'].values() for s in split['shards']])
+      + [s['file'] for split in meta['splits'].values() for s in split['shards']]
+      + [split['documents_file'] for split in meta['splits'].values()])
 
 
 @pytest.mark.parametrize('make,args,message', [

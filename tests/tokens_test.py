@@ -81,13 +81,15 @@ def test_bits_per_byte_is_bits_per_character_times_characters_per_byte(dataset_d
                             'eval.max_batches': 0})
   t.run(20)
   result = train.evaluate(t.eval_step, t.state, t.setup)
-  apply = jax.jit(lambda params, inputs: jax.nn.log_softmax(t.model.apply({'params': params},
-                                                                           inputs)))
+  apply = jax.jit(lambda params, batch: jax.nn.log_softmax(t.model.apply(
+      {'params': params}, batch['inputs'], segments_BL=batch['segments'],
+      positions_BL=batch['positions'])))
   bits, text = 0.0, b''
   for batch in t.dataset.eval_batches(16, slice(None)):
-    log_probs = np.asarray(apply(t.state.params, batch['inputs']))
-    targets = batch['targets'][batch['weights'] > 0]
-    losses = -np.take_along_axis(log_probs[batch['weights'] > 0], targets[..., None], -1)
+    log_probs = np.asarray(apply(t.state.params, batch))
+    counted = (batch['weights'][:, None] > 0) & (batch['mask'] > 0)  # Not padding.
+    targets = batch['targets'][counted]
+    losses = -np.take_along_axis(log_probs[counted], targets[..., None], -1)
     bits += losses.sum() / math.log(2)
     text += bytes(targets[targets < 256].astype(np.uint8))
   characters = len(text.decode('utf-8', 'replace'))  # Windows may split a character's bytes.
@@ -149,7 +151,7 @@ def _damaged(dataset_dir, tmp_path, how):
     ('truncated', {}, r'config\.data\.path: shard .*train-00000\.bin is truncated or damaged: '
                       r'\d+ bytes, but \d+ uint16 tokens'),
     ('version', {}, r'config\.data\.path: .* was prepared by format version 99, but this zoo reads '
-                    r'version 1; prepare it again'),
+                    r'version 1 or 2; prepare it again'),
     ('partial', {}, r'config\.data\.path: .* has no metadata\.json: .* preparation did not finish'),
     ('tokenizer', {}, r'config\.data\.path: .*tokenizer\.json is not a valid tokenizer\.json '
                       r'\(.*\); prepare the dataset again'),
@@ -160,7 +162,7 @@ def _damaged(dataset_dir, tmp_path, how):
     ('intact', {'data.path': ''}, r'config\.data\.path: is empty; give the directory'),
     ('intact', {'model.vocab_size': 100},
      r'config\.model\.vocab_size: 100 is smaller than the 257 that the data .* needs'),
-    ('intact', {'data.seq_len': 'VAL'},  # Longer than the validation split, not the training one.
+    ('intact', {'data.seq_len': 'VAL', 'data.windows': 'stream'},  # Longer than the val split.
      r'config\.data\.path: the validation split of .* has \d+ tokens, fewer than '
      r'data\.seq_len \+ 1 = \d+; lower data\.seq_len or prepare it with a larger --val_fraction'),
     ('intact', {'data.path': '/nonexistent/tokens'},
@@ -173,7 +175,7 @@ def test_bad_datasets_are_named_with_their_fix(dataset_dir, tmp_path, how, overr
   if overrides.get('data.seq_len') == 'VAL':
     with open(os.path.join(path, 'metadata.json'), encoding='utf-8') as f:
       val_tokens = json.load(f)['splits']['val']['tokens']
-    overrides = {'data.seq_len': val_tokens, 'model.max_len': val_tokens}
+    overrides = {**overrides, 'data.seq_len': val_tokens, 'model.max_len': val_tokens}
   workdir = tmp_path / 'run'
   with pytest.raises(ZooError, match=message):
     train.train_and_evaluate(_config(path, **overrides), str(workdir))

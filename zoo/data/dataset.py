@@ -57,9 +57,10 @@ class DataSource:
   check_config: Callable[[ml_collections.ConfigDict], None] = _no_check
 
 
-def read_metadata(path: str, fmt: str, version: int, kind: str) -> dict:
+def read_metadata(path: str, fmt: str, versions: tuple[int, ...], kind: str) -> dict:
   """The metadata.json of a dataset directory that `python -m zoo.prepare <kind>` wrote in
-  format `fmt`, `version`; ConfigError naming config.data.path and the fix."""
+  format `fmt`, one of `versions` (the last is what this zoo writes); ConfigError naming
+  config.data.path and the fix."""
   prepare = f'`python -m zoo.prepare {kind}`'
   if storage.is_remote(path):
     storage.check_bucket(path, 'config.data.path')
@@ -78,9 +79,10 @@ def read_metadata(path: str, fmt: str, version: int, kind: str) -> dict:
   if meta.get('format') != fmt:
     raise ConfigError(f'config.data.path: {path} holds {meta.get("format")!r} data, not '
                       f'{fmt!r}; give a directory that {prepare} wrote')
-  if meta.get('version') != version:
+  if meta.get('version') not in versions:
     raise ConfigError(f'config.data.path: {path} was prepared by format version '
-                      f'{meta.get("version")}, but this zoo reads version {version}; prepare it '
+                      f'{meta.get("version")}, but this zoo reads version '
+                      f'{" or ".join(map(str, versions))}; prepare it '
                       'again with this zoo')
   return meta
 

@@ -243,7 +243,7 @@ def read_metadata(path: str) -> dict:
     raise ConfigError(f'config.data.path: {path}: record datasets are read by ArrayRecord, which '
                       'opens local files only; mount the bucket on every host with gcsfuse '
                       '(gcsfuse --implicit-dirs BUCKET /mnt/BUCKET) and give the mounted path')
-  meta = dataset.read_metadata(path, FORMAT, VERSION, 'images')
+  meta = dataset.read_metadata(path, FORMAT, (VERSION,), 'images')
   for split in SPLITS:
     for shard in meta['splits'][split]['shards']:
       file = os.path.join(path, shard['file'])

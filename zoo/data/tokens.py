@@ -9,12 +9,20 @@ wrote:
     token_bytes.npy   UTF-8 bytes per token id: eval's bits per byte
     train-00000.bin   little-endian uint16 tokens (uint32 if the vocabulary exceeds 65,536),
     val-00000.bin     documents one after another, each ended by the end-of-document token
+    train-documents.npy, val-documents.npy
+                      int64: where each document ends (the offset after its last token)
 
-A training example is the window of seq_len + 1 tokens at a position drawn from (seed,
-step) for its row of the global batch; a process reads only its rows' windows, so memory
-does not grow with the data and resuming needs nothing but the step. Eval tiles the
-validation split with windows that do not overlap.
+`data.windows` cuts the split into training examples:
+- 'documents' (the default): documents packed into windows of seq_len targets, attention
+  and positions per document, padding masked (zoo.data.packing); an epoch is a
+  permutation of the windows drawn from (seed, epoch);
+- 'stream': the window of seq_len + 1 tokens at a position drawn from (seed, step) for
+  each row, across document boundaries (how zoo read tokens before format version 2).
+A process reads only its rows' windows, so memory does not grow with the data and resuming
+needs nothing but the step. Eval tiles the validation split with windows that do not
+overlap (packed alike in 'documents': every held-out token is a target once).
 """
+import array
 import io
 import json
 import os
@@ -24,15 +32,18 @@ from typing import Any, Iterator
 import ml_collections
 import numpy as np
 
-from zoo.data import dataset, documents
+from absl import logging
+
+from zoo.data import dataset, documents, packing
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.data.dataset import DataSource, Dataset, padded_rows
 from zoo.errors import ConfigError, fail
 from zoo.store import storage
 
-FORMAT, VERSION = 'zoo.tokens', 1
+FORMAT, VERSION = 'zoo.tokens', 2  # 2 added the document index; 1 reads as 'stream'.
 METADATA = dataset.METADATA
 SPLITS = ('train', 'val')
+WINDOWS = ('documents', 'stream')
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -77,7 +88,7 @@ class ShardWriter:
 
 
 def read_metadata(path: str) -> dict:
-  return dataset.read_metadata(path, FORMAT, VERSION, 'text')
+  return dataset.read_metadata(path, FORMAT, (1, VERSION), 'text')
 
 
 def _close_files(readers: list) -> None:
@@ -119,31 +130,65 @@ class TokenSplit:
   def bytes_read(self) -> int:
     return sum(reader.bytes_read for reader in self.shards)
 
+  def read(self, start: int, length: int) -> np.ndarray:
+    """int32 [length]: the tokens at start ... start + length - 1, across shards."""
+    out, size = np.empty(length, np.int32), self.dtype.itemsize
+    filled, shard = 0, int(np.searchsorted(self.starts, start, side='right')) - 1
+    while filled < length:
+      offset = int(start + filled - self.starts[shard])
+      count = min(length - filled, int(self.starts[shard + 1] - self.starts[shard]) - offset)
+      out[filled:filled + count] = np.frombuffer(
+          self.shards[shard].read(offset * size, count * size), self.dtype)
+      filled += count
+      shard += 1
+    return out
+
   def windows(self, positions: np.ndarray, length: int) -> np.ndarray:
     """int32 [n, length]: the tokens at positions[i] ... positions[i] + length - 1."""
     self.windows_read += len(positions)
-    out = np.empty((len(positions), length), np.int32)
-    size = self.dtype.itemsize
-    for row, start in enumerate(positions):
-      filled, shard = 0, int(np.searchsorted(self.starts, start, side='right')) - 1
-      while filled < length:
-        offset = int(start + filled - self.starts[shard])
-        count = min(length - filled, int(self.starts[shard + 1] - self.starts[shard]) - offset)
-        data = self.shards[shard].read(offset * size, count * size)
-        out[row, filled:filled + count] = np.frombuffer(data, self.dtype)
-        filled += count
-        shard += 1
-    return out
+    return np.stack([self.read(int(p), length) for p in positions]).reshape(-1, length)
+
+  def packed(self, spans: np.ndarray, ends: np.ndarray, seq_len: int, eos: int) -> dict:
+    """The packed windows whose target ranges are `spans` [n, 2] (see zoo.data.packing)."""
+    self.windows_read += len(spans)
+    got = [self.read(max(a - 1, 0), b - max(a - 1, 0)) for a, b in spans.tolist()]
+    return packing.rows(got, spans, ends, seq_len, eos)
+
+
+def _document_ends(path: str, meta: dict, name: str, split: TokenSplit) -> np.ndarray:
+  """The split's document index: where each document ends (format version 2)."""
+  file = storage.join(path, meta['splits'][name]['documents_file'])
+  try:
+    ends = np.load(io.BytesIO(storage.read_bytes(file)))
+  except (OSError, ValueError) as e:
+    raise ConfigError(f'config.data.path: {file} cannot be read ({type(e).__name__}); '
+                      'prepare the dataset again') from None
+  if (ends.ndim != 1 or not len(ends) or ends[-1] != split.tokens
+      or np.any(np.diff(ends) < 0) or ends[0] < 0):
+    raise ConfigError(f'config.data.path: {file} does not index the {split.tokens} tokens of '
+                      f'the {name} split; prepare the dataset again')
+  return ends.astype(np.int64)
 
 
 def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
   path, seq_len = data_config.path, data_config.seq_len
+  windows = data_config.get('windows', 'documents')
   meta = read_metadata(path)
+  if windows == 'documents' and meta['version'] < 2:
+    raise ConfigError(f'config.data.path: {path} was prepared without a document index (format '
+                      f'version {meta["version"]}); prepare it again with this zoo, or set '
+                      "data.windows='stream' to read it as one stream")
+  if windows == 'documents' and meta['eos_id'] < 0:
+    raise ConfigError(f'config.data.path: the tokenizer of {path} has no end-of-document '
+                      "token to separate documents; set data.windows='stream'")
   train, val = (TokenSplit(path, name, meta) for name in SPLITS)
   window = seq_len + 1
+  if windows == 'documents' and train.tokens < seq_len:
+    raise ConfigError(f'config.data.seq_len: {seq_len} is longer than the {train.tokens} tokens '
+                      f'of the train split of {path}; lower data.seq_len or give more text')
   for split, name, fix in ((train, 'train', 'give it more text'),
                           (val, 'validation', 'prepare it with a larger --val_fraction')):
-    if split.tokens < window:
+    if windows == 'stream' and split.tokens < window:
       raise ConfigError(f'config.data.path: the {name} split of {path} has {split.tokens} '
                         f'tokens, fewer than data.seq_len + 1 = {window}; lower data.seq_len or '
                         f'{fix}')
@@ -159,6 +204,29 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
     raise ConfigError(f'config.data.path: {meta["token_bytes"]} has {token_bytes.shape} entries '
                       f'for a vocabulary of {meta["vocab_size"]}; {again}')
 
+  if windows == 'documents':
+    train_batch, eval_batches, num_train = _packed(path, meta, train, val, seq_len, seed)
+  else:
+    train_batch, eval_batches, num_train = _stream(train, val, window, seed)
+
+  def eval_with_bytes(global_batch_size, rows):
+    for batch in eval_batches(global_batch_size, rows):
+      yield {**batch, 'bytes': token_bytes[batch['targets']]}
+
+  def decode(ids):
+    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+  def encode(text):
+    return np.array(tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+
+  return Dataset(task='lm', model_fields={'vocab_size': meta['vocab_size']},
+                 train_batch=train_batch, eval_batches=eval_with_bytes, num_train=num_train,
+                 decode=decode, encode=encode, token_unit='token',
+                 examples_read=lambda: train.windows_read)
+
+
+def _stream(train: TokenSplit, val: TokenSplit, window: int, seed: int) -> tuple:
+  """data.windows='stream': windows at random positions of the stream, across documents."""
   def train_batch(step, global_batch_size, rows):
     starts = np.random.default_rng([seed, step]).integers(
         0, train.tokens - window + 1, size=global_batch_size)[rows]
@@ -168,19 +236,35 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
   def eval_batches(global_batch_size, rows):
     for idx, weights in padded_rows(val.tokens // window, global_batch_size, rows):
       w = val.windows(idx * window, window)
-      yield {'inputs': w[:, :-1], 'targets': w[:, 1:], 'bytes': token_bytes[w[:, 1:]],
-             'weights': weights}
+      yield {'inputs': w[:, :-1], 'targets': w[:, 1:], 'weights': weights}
 
-  def decode(ids):
-    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+  return train_batch, eval_batches, train.tokens // window
 
-  def encode(text):
-    return np.array(tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
 
-  return Dataset(task='lm', model_fields={'vocab_size': meta['vocab_size']},
-                 train_batch=train_batch, eval_batches=eval_batches,
-                 num_train=train.tokens // window, decode=decode, encode=encode,
-                 token_unit='token', examples_read=lambda: train.windows_read)
+def _packed(path: str, meta: dict, train: TokenSplit, val: TokenSplit, seq_len: int,
+            seed: int) -> tuple:
+  """data.windows='documents': documents packed into windows (zoo.data.packing)."""
+  eos = meta['eos_id']
+  plans = {}
+  for name, split in (('train', train), ('val', val)):
+    ends = _document_ends(path, meta, name, split)
+    starts = packing.plan(ends, seq_len)
+    plans[name] = (ends, np.stack([starts[:-1], starts[1:]], 1))
+    logging.info('%s split: %d documents packed into %d windows of %d tokens, %.2f%% of them '
+                 'padding', name, len(ends), len(starts) - 1, seq_len,
+                 100 * packing.padding(starts, seq_len))
+  order = packing.EpochOrder(len(plans['train'][1]), seed)
+
+  def train_batch(step, global_batch_size, rows):
+    ends, spans = plans['train']
+    return train.packed(spans[order(step, global_batch_size, rows)], ends, seq_len, eos)
+
+  def eval_batches(global_batch_size, rows):
+    ends, spans = plans['val']
+    for idx, weights in padded_rows(len(spans), global_batch_size, rows):
+      yield {**val.packed(spans[idx], ends, seq_len, eos), 'weights': weights}
+
+  return train_batch, eval_batches, len(plans['train'][1])
 
 
 def tokenizer_dataset(path: str, vocab_size: int, seq_len: int) -> Dataset:
@@ -207,6 +291,8 @@ def tokenizer_dataset(path: str, vocab_size: int, seq_len: int) -> Dataset:
 def check_config(data_config: ml_collections.ConfigDict) -> None:
   if not data_config.get('path'):
     fail('data.path', 'is empty; give the directory that `python -m zoo.prepare text` wrote')
+  if data_config.get('windows', 'documents') not in WINDOWS:
+    fail('data.windows', f'unknown windows {data_config.windows!r}; known: {", ".join(WINDOWS)}')
   read_metadata(data_config.path)
 
 
@@ -288,12 +374,14 @@ def prepare(files: list[str], directory: str, tokenizer: Any, *, field: str = 't
   writers = {name: ShardWriter(directory, name, dtype, shard_tokens) for name in SPLITS}
   counts = {name: {'tokens': 0, 'documents': 0, 'bytes': 0} for name in SPLITS}
   chunk, size, index = {name: [] for name in SPLITS}, 0, 0
+  ends = {name: array.array('q') for name in SPLITS}  # Where each document ends.
 
   def flush():
     for name, texts in chunk.items():
       for ids in tokenizer_lib.encode_documents(tokenizer, texts, eos):
         writers[name].write(ids)
         counts[name]['tokens'] += len(ids)
+        ends[name].append(counts[name]['tokens'])
       texts.clear()
 
   for path in files:
@@ -322,11 +410,14 @@ def prepare(files: list[str], directory: str, tokenizer: Any, *, field: str = 't
                         f'--val_fraction={val_fraction}); {fix}')
   tokenizer.save(os.path.join(directory, 'tokenizer.json'))
   np.save(os.path.join(directory, 'token_bytes.npy'), tokenizer_lib.token_bytes(tokenizer))
+  for name in SPLITS:
+    np.save(os.path.join(directory, f'{name}-documents.npy'), np.frombuffer(ends[name], np.int64))
   meta = {'format': FORMAT, 'version': VERSION, 'vocab_size': vocab_size, 'dtype': dtype.str,
           'eos_id': eos, 'tokenizer': {'file': 'tokenizer.json'}, 'token_bytes': 'token_bytes.npy',
           'val_fraction': val_fraction, 'seed': seed, 'inputs': files,
           **({'val_forced': forced} if forced >= 0 else {}),
-          'splits': {name: {**counts[name], 'shards': writers[name].close()} for name in SPLITS}}
+          'splits': {name: {**counts[name], 'shards': writers[name].close(),
+                            'documents_file': f'{name}-documents.npy'} for name in SPLITS}}
   with open(os.path.join(directory, METADATA), 'w', encoding='utf-8') as f:
     json.dump(meta, f, indent=2)
   return meta

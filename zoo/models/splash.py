@@ -43,10 +43,11 @@ def _mesh_size(entry) -> int:
 
 
 def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: bool,
-              kv_axis: str) -> Optional[jax.Array]:
+              kv_axis: str, segments_BL: Optional[jax.Array] = None) -> Optional[jax.Array]:
   """Attention of queries [B, L, N, H] over keys and values [B, M, G, H] (causal: query i
-  sees keys 0..i), in the splash kernel; None where the kernel cannot take the shapes.
-  `kv_axis` is the logical name of the key/value heads' activations."""
+  sees keys 0..i; with `segments_BL`, self-attention, only keys of its own segment), in
+  the splash kernel; None where the kernel cannot take the shapes. `kv_axis` is the
+  logical name of the key/value heads' activations."""
   batch, length, heads, head_dim = q_BLNH.shape
   kv_length, kv_heads = k_BMGH.shape[1], k_BMGH.shape[2]
   if length % LANES or kv_length % LANES:
@@ -77,20 +78,27 @@ def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: b
       block_kv_dq=_block(kv_length))
   local_heads = heads // head_shards
 
-  def one_shard(q_BNLH, k_BGMH, v_BGMH):
+  def one_shard(q_BNLH, k_BGMH, v_BGMH, *segments):
     shape = (length, kv_length)
     mask = mask_lib.CausalMask(shape) if causal else mask_lib.FullMask(shape)
     splash = kernel_lib.make_splash_mha(mask_lib.MultiHeadMask([mask] * local_heads),
                                         block_sizes=blocks, head_shards=1, q_seq_shards=1,
                                         interpret=interpret)
-    return jax.vmap(splash)(q_BNLH, k_BGMH, v_BGMH)
+    if not segments:
+      return jax.vmap(splash)(q_BNLH, k_BGMH, v_BGMH)
+    ids = kernel_lib.SegmentIds(q=segments[0], kv=segments[0])
+    return jax.vmap(lambda q, k, v, s: splash(q, k, v, segment_ids=s))(q_BNLH, k_BGMH, v_BGMH,
+                                                                        ids)
 
   scale = 1.0 / math.sqrt(head_dim)
   q_BNLH = (q_BLNH.astype(jnp.float32) * scale).astype(q_BLNH.dtype).transpose(0, 2, 1, 3)
   k_BGMH, v_BGMH = k_BMGH.transpose(0, 2, 1, 3), v_BMGH.transpose(0, 2, 1, 3)
   P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   in_specs = (P(spec[0], spec[2]), P(kv_spec[0], kv_spec[2]), P(kv_spec[0], kv_spec[2]))
+  args = (q_BNLH, k_BGMH, v_BGMH)
+  if segments_BL is not None:
+    in_specs, args = in_specs + (P(spec[0]),), args + (segments_BL.astype(jnp.int32),)
   out_BNLH = jax.shard_map(one_shard, in_specs=in_specs, out_specs=P(spec[0], spec[2]),
-                           check_vma=False)(q_BNLH, k_BGMH, v_BGMH)
+                           check_vma=False)(*args)
   return out_BNLH.transpose(0, 2, 1, 3)
 

@@ -23,7 +23,8 @@ mesh axis (Megatron-LM, arXiv:1909.08053). The switches every Transformer family
   GPT-2, Llama and HF's ViT are settings of these (zoo/convert.py);
 - `attention`: 'xla' or 'cudnn' (fused, on NVIDIA GPUs), jax.nn.dot_product_attention's
   implementations, or 'splash', the Pallas TPU kernel that never holds the L x L scores
-  (zoo.models.splash; interpreted off TPU).
+  (zoo.models.splash; interpreted off TPU). Each takes segment ids: packed documents
+  (zoo.data.packing) attend only within themselves.
 
 With `decode=True` a model keeps a key/value cache of `max_len` positions in the 'cache'
 collection, sharded over heads like the activations, and appends to it: a prompt's
@@ -193,7 +194,10 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None,
                positions_BL: Optional[jax.Array] = None,
-               start_B: Optional[jax.Array] = None) -> jax.Array:
+               start_B: Optional[jax.Array] = None,
+               segments_BL: Optional[jax.Array] = None) -> jax.Array:
+    """`segments_BL` (self-attention): a query sees only keys of its own segment (packed
+    documents, zoo.data.packing)."""
     kv_BMD = x_BLD if context_BMD is None else context_BMD
     d_model = x_BLD.shape[-1]
     grouped = self.num_kv_heads != self.num_heads
@@ -212,11 +216,13 @@ class Attention(nn.Module):
     if self.decode:
       k_BMGH, v_BMGH, mask = self._extend_cache(k_BMGH, v_BMGH, start_B, kv_act)
       causal = False  # The cache mask is causal.
+    elif segments_BL is not None:
+      mask = (segments_BL[:, :, None] == segments_BL[:, None, :])[:, None]  # [B, 1, L, M]
     if self.implementation == 'splash' and not self.is_initializing():  # Init: shapes only.
       if self.decode:
         splash.fallback('decoding from a key/value cache')
       else:
-        out_BLNH = splash.attention(q_BLNH, k_BMGH, v_BMGH, causal, kv_act[2])
+        out_BLNH = splash.attention(q_BLNH, k_BMGH, v_BMGH, causal, kv_act[2], segments_BL)
     if out_BLNH is None:
       out_BLNH = jax.nn.dot_product_attention(
           q_BLNH, k_BMGH, v_BMGH, mask=mask, is_causal=causal,
@@ -298,7 +304,8 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None,
                positions_BL: Optional[jax.Array] = None,
-               start_B: Optional[jax.Array] = None) -> tuple[jax.Array, None]:
+               start_B: Optional[jax.Array] = None,
+               segments_BL: Optional[jax.Array] = None) -> tuple[jax.Array, None]:
     s = self.spec
     drop = lambda y: nn.Dropout(s.dropout_rate)(y, deterministic=self.deterministic)
     attention = dict(num_heads=s.num_heads, head_dim=s.head_size, use_bias=s.use_bias,
@@ -306,7 +313,7 @@ class Block(nn.Module):
     x_BLD = x_BLD + drop(Attention(
         num_kv_heads=s.kv_heads, causal=self.causal, rotary=self.rotary, rope_theta=s.rope_theta,
         decode=s.decode, cache_length=self.cache_length, **attention, name='attn')(
-            norm(s, 'ln_attn')(x_BLD), None, positions_BL, start_B))
+            norm(s, 'ln_attn')(x_BLD), None, positions_BL, start_B, segments_BL))
     if self.cross:
       x_BLD = x_BLD + drop(Attention(num_kv_heads=s.num_heads, **attention, name='cross_attn')(
           norm(s, 'ln_cross')(x_BLD), context_BMD))
@@ -318,7 +325,8 @@ class Block(nn.Module):
 def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None, *,
            prefix: str, train: bool, causal: bool = False, cross: bool = False,
            rotary: bool = False, positions_BL: Optional[jax.Array] = None,
-           start_B: Optional[jax.Array] = None, cache_length: int = 0) -> jax.Array:
+           start_B: Optional[jax.Array] = None, segments_BL: Optional[jax.Array] = None,
+           cache_length: int = 0) -> jax.Array:
   """Runs `module.num_layers` Blocks, unrolled (`{prefix}_{i}`) or under nn.scan (`{prefix}s`).
 
   Call inside the `nn.compact` method of a Transformer `module`: the blocks become its
@@ -331,7 +339,7 @@ def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Arra
     cls = nn.remat(Block, policy=policy, prevent_cse=not module.scan_layers)
   fields = dict(spec=Spec.of(module), causal=causal, cross=cross, rotary=rotary,
                 cache_length=cache_length, deterministic=not train)
-  extra = (context_BMD, positions_BL, start_B)  # The same for every block.
+  extra = (context_BMD, positions_BL, start_B, segments_BL)  # The same for every block.
   if module.scan_layers:
     stack = nn.scan(cls, variable_axes={'params': 0, 'cache': 0},
                     split_rngs={'params': True, 'dropout': True},

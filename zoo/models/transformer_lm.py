@@ -28,9 +28,12 @@ class TransformerLM(transformer.Transformer, kw_only=True):
   @nn.compact
   def __call__(self, tokens_BL: jax.Array, train: bool = False,
                positions_BL: Optional[jax.Array] = None,
-               start_B: Optional[jax.Array] = None) -> jax.Array:
-    """With `decode=True`, `positions_BL` are the tokens' positions and `start_B` each row's
-    first cache position (left padding before it); see zoo.models.decode."""
+               start_B: Optional[jax.Array] = None,
+               segments_BL: Optional[jax.Array] = None) -> jax.Array:
+    """Packed documents (zoo.data.packing) give each token's `segments_BL` and its position
+    in its document (`positions_BL`). With `decode=True`, `positions_BL` are the tokens'
+    positions and `start_B` each row's first cache position (left padding before it); see
+    zoo.models.decode."""
     embed_VD = layers.embedding_table(self, self.vocab_size, self.d_model, self.dtype)
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0)
     # Tests take gradients with respect to the embedded inputs here (see transformer_test.py).
@@ -39,7 +42,8 @@ class TransformerLM(transformer.Transformer, kw_only=True):
                                         train, positions_BL)
     x_BLD = transformer.blocks(self, x_BLD, prefix='block', train=train, causal=True,
                                rotary=self.positions == 'rotary', positions_BL=positions_BL,
-                               start_B=start_B, cache_length=self.max_len)
+                               start_B=start_B, segments_BL=segments_BL,
+                               cache_length=self.max_len)
     x_BLD = transformer.norm(self, 'ln_final')(x_BLD)
     return layers.vocab_logits(self, x_BLD, self.vocab_size, self.dtype,
                                embed_VD if self.tie_embeddings else None)

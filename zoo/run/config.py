@@ -36,6 +36,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.prefetch = 2                     # Train batches built and put on devices ahead (0: none).
   c.data.augment = ''                     # records: 'crop', 'flip' or 'crop,flip'; '': none.
   c.data.workers = 0                      # records: decoding processes (0: the prefetch thread).
+  c.data.windows = 'documents'            # tokens: packed documents, or 'stream' (zoo.data.tokens).
   c.mesh = ml_collections.ConfigDict()
   c.mesh.axes = sharding.MESH_AXES
   c.mesh.shape = (-1, 1)                  # One entry may be -1: filled from the device count.

@@ -30,22 +30,35 @@ def state_initializer(model: nn.Module, optimizer: optax.GradientTransformation,
                       example_batch: dict) -> Callable[[jax.Array], TrainState]:
   """rng -> a fresh TrainState whose leaves are nn.Partitioned boxes with logical axis names."""
   def init_state(rng):
-    variables = model.init({'params': rng, 'dropout': rng}, *task.model_inputs(example_batch))
+    variables = model.init({'params': rng, 'dropout': rng}, *task.model_inputs(example_batch),
+                           **task.model_keywords(example_batch))
     return TrainState.create(
         apply_fn=model.apply, params=variables['params'], tx=optimizer,
         model_state={k: variables[k] for k in STATE_COLLECTIONS if k in variables})
   return init_state
 
 
-def loss(params: Any, state: TrainState, batch: dict, rng: jax.Array,
-         task: Task) -> tuple[jax.Array, dict]:
-  """Mean cross-entropy of a batch, and the model state the forward pass updated."""
+def loss(params: Any, state: TrainState, batch: dict, rng: jax.Array, task: Task,
+         total: jax.Array) -> tuple[jax.Array, dict]:
+  """The batch's summed cross-entropy over `total`, the number of targets that count in
+  the whole global batch (every microbatch): those where the batch's `mask` (packed
+  documents' padding) is 1, or all. The model state the forward pass updated comes too."""
   logits, model_state = state.apply_fn(
-      {'params': params, **state.model_state}, *task.model_inputs(batch), train=True,
-      rngs={'dropout': rng}, mutable=list(state.model_state))
-  mean = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), batch['targets']).mean()
-  return mean, model_state
+      {'params': params, **state.model_state}, *task.model_inputs(batch),
+      **task.model_keywords(batch), train=True, rngs={'dropout': rng},
+      mutable=list(state.model_state))
+  losses = optax.softmax_cross_entropy_with_integer_labels(
+      logits.astype(jnp.float32), batch['targets'])
+  if 'mask' in batch:
+    losses = losses * batch['mask']
+  return losses.sum() / total, model_state
+
+
+def targets_counted(batch: dict) -> jax.Array:
+  """How many targets of a batch count in its loss (float32): see `loss`."""
+  if 'mask' in batch:
+    return jnp.maximum(batch['mask'].astype(jnp.float32).sum(), 1.0)
+  return jnp.asarray(batch['targets'].size, jnp.float32)
 
 
 def _microbatches(x, k):
@@ -69,12 +82,14 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
   logs, evaluates or saves.
 
   Dropout keys derive from (seed, step) (dropout_key), so a resumed run draws the same
-  masks. With
-  `microbatches` k > 1 the batch's gradient is the mean of k microbatch gradients,
-  accumulated in float32 under `lax.scan`: activations of one microbatch live at a time.
+  masks. The loss is the mean over every target that counts in the global batch (see
+  `loss`). With `microbatches` k > 1 each microbatch's share of it is differentiated and
+  the k gradients summed in float32 under `lax.scan`: activations of one microbatch live
+  at a time, and a microbatch with more padding weighs less, as in the whole batch.
   """
   rng = dropout_key(seed, state.step)
-  grad_fn = jax.value_and_grad(functools.partial(loss, task=task), has_aux=True)
+  total = targets_counted(batch)
+  grad_fn = jax.value_and_grad(functools.partial(loss, task=task, total=total), has_aux=True)
   if microbatches == 1:
     (mean_loss, model_state), grads = grad_fn(state.params, state, batch, rng)
   else:
@@ -91,14 +106,16 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
     (mean_loss, grads, model_state), _ = jax.lax.scan(
         accumulate, (jnp.zeros((), jnp.float32), zeros, state.model_state),
         (jnp.arange(microbatches), micro))
-    mean_loss = mean_loss / microbatches
-    grads = jax.tree.map(lambda g, p: (g / microbatches).astype(p.dtype), grads, state.params)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = state.tx.update(grads, state.opt_state, state.params, grad_norm=grad_norm)
   params = optax.apply_updates(state.params, updates)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             model_state=model_state)
-  return new_state, {'train/loss': mean_loss, 'train/grad_norm': grad_norm}
+  metrics = {'train/loss': mean_loss, 'train/grad_norm': grad_norm}
+  if 'mask' in batch:  # The fraction of the batch's targets that are padding.
+    metrics['train/padding'] = 1.0 - total / batch['targets'].size
+  return new_state, metrics
 
 
 def eval_step(state: TrainState, batch: dict, task: Task) -> dict:
@@ -106,10 +123,13 @@ def eval_step(state: TrainState, batch: dict, task: Task) -> dict:
   exactly matched examples (every position right) and, where the batch has them, the
   targets' UTF-8 bytes; the task turns them into metrics."""
   logits = state.apply_fn({'params': state.params, **state.model_state},
-                          *task.model_inputs(batch)).astype(jnp.float32)
+                          *task.model_inputs(batch), **task.model_keywords(batch)
+                          ).astype(jnp.float32)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
   weights = jnp.broadcast_to(
       batch['weights'].reshape(batch['weights'].shape + (1,) * (losses.ndim - 1)), losses.shape)
+  if 'mask' in batch:  # Padding of packed documents counts nowhere.
+    weights = weights * batch['mask']
   correct = jnp.argmax(logits, axis=-1) == batch['targets']
   exact = correct.reshape(correct.shape[0], -1).all(axis=1)
   sums = {'loss': (losses * weights).sum(), 'correct': (correct * weights).sum(),

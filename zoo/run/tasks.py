@@ -2,7 +2,8 @@
 
 A model family names its task (zoo.models), and so does a dataset (zoo.data); the
 trainer reaches task semantics only through these objects:
-- `inputs`: the batch fields the model takes, in order;
+- `inputs`: the batch fields the model takes, in order; `keywords`: those it takes by
+  name where a batch has them (packed documents' segments and positions);
 - `metrics(sums, dataset)`: eval metrics from the summed outputs of zoo.run.steps.eval_step;
 - `tokens(batch)`: the tokens a train batch trains on (sequence tasks), for tokens/s;
 - `eval_sampler(model, dataset, mesh, seed, temperature)`: what an eval shows besides
@@ -27,10 +28,14 @@ class Task:
   """Classification: eval loss and accuracy; the base of the sequence tasks."""
   name = 'classification'
   inputs = ('inputs',)
+  keywords: dict[str, str] = {}  # Batch field -> the model's keyword argument.
   sequences = False   # Targets are token sequences: a train step trains on every token.
 
   def model_inputs(self, batch: dict) -> list:
     return [batch[k] for k in self.inputs]
+
+  def model_keywords(self, batch: dict) -> dict:
+    return {arg: batch[field] for field, arg in self.keywords.items() if field in batch}
 
   def metrics(self, sums: dict, dataset: 'Dataset') -> dict:
     """Loss and accuracy (per token for sequences) from eval_step's sums over the split."""
@@ -53,6 +58,7 @@ class LanguageModel(Task):
   """Next-token prediction; eval adds bits per token (per character for character text),
   bits per byte where the data knows each token's UTF-8 bytes, and a sample."""
   name = 'lm'
+  keywords = {'segments': 'segments_BL', 'positions': 'positions_BL'}
   sequences = True
 
   def metrics(self, sums: dict, dataset: 'Dataset') -> dict:
