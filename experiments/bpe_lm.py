@@ -14,6 +14,15 @@ the training files in about 5 s) averages 3.65 bytes per token. Eval reports bit
 over the whole validation split, the measure a byte-level model on the same files
 (`--config.data.path` of a `--tokenizer=bytes` preparation) is compared by.
 
+`:mixture` mixes that code (0.8) with prose, the Python docs (0.2), prepared with the same
+tokenizer, and reports each source's validation loss and bits per byte (zoo.data.mixture):
+
+    python -c "import json; from pydoc_data import topics; [print(json.dumps({'text': t})) \
+        for t in topics.topics.values()]" > data/topics.jsonl
+    python -m zoo.prepare text --input=data/topics.jsonl --output=data/topics_bpe \
+        --tokenizer=data/stdlib_bpe/tokenizer.json --val_fraction=0.1
+    python -m zoo.main --config=experiments/bpe_lm.py:mixture --workdir=runs/bpe_mix
+
 `:gpt2` trains the same model in GPT-2's layout (biases, tied embeddings, LayerNorm epsilon
 1e-5), which `python -m zoo.convert export` hands to transformers as a GPT2LMHeadModel (see
 experiments/finetune_lm.py).
@@ -28,8 +37,9 @@ from zoo.run.config import base_config
 
 def get_config(arg=None):
   variants = set(arg.split(',')) if arg else set()
-  if variants - {'smoke', 'gpt2'}:
-    raise ValueError(f'unknown variant {arg!r} of bpe_lm; known: smoke, gpt2 (e.g. smoke,gpt2)')
+  if variants - {'smoke', 'gpt2', 'mixture'}:
+    raise ValueError(f'unknown variant {arg!r} of bpe_lm; known: smoke, gpt2, mixture (e.g. '
+                     'smoke,gpt2)')
   c = base_config()
   c.model.name = 'transformer_lm'
   c.model.num_layers = 4
@@ -57,6 +67,10 @@ def get_config(arg=None):
   c.eval.max_batches = 0         # The whole validation split.
   c.eval.sample_temperature = 0.8
   c.checkpoint.every_steps = 200
+  if 'mixture' in variants:  # Code and prose, each evaluated on its own.
+    c.data.path = ''
+    c.data.sources = {'code': 'data/stdlib_bpe', 'docs': 'data/topics_bpe'}
+    c.data.weights = {'code': 0.8, 'docs': 0.2}
   if 'gpt2' in variants:  # GPT-2's layout: zoo.convert exports it for transformers.
     c.model.update(use_bias=True, tie_embeddings=True, norm_epsilon=1e-5)
   if 'smoke' in variants:

@@ -1,8 +1,9 @@
 """What a dataset gives the trainer, and the builders that in-memory datasets share.
 
 A batch is a dict of numpy arrays with a leading batch axis: `inputs`, `targets`,
-`decoder_inputs` for sequence-to-sequence data, and for eval batches `weights` (0 marks
-padding). Batch contents are a pure function of (seed, step), so the step alone is the
+`decoder_inputs` for sequence-to-sequence data, for packed documents `segments`,
+`positions` and `mask` (per target: 0 counts nowhere), and for eval batches `weights`
+(per example: 0 marks a padded row). Batch contents are a pure function of (seed, step), so the step alone is the
 data position of a run: resuming needs no iterator state, and every process computes the
 same global batch order.
 """
@@ -41,6 +42,9 @@ class Dataset:
   train_iterator: Optional[Callable[[int, int, slice], Iterator[dict]]] = None
   # -> training examples this process has read so far (datasets read from files).
   examples_read: Optional[Callable[[], int]] = None
+  # name -> (global_batch_size, rows) -> eval batches: the eval split's parts (a mixture's
+  # sources), reported each on its own and together; eval_batches is all of them.
+  eval_sources: Optional[dict[str, Callable[[int, slice], Iterator[dict]]]] = None
 
 
 def _no_check(data_config: ml_collections.ConfigDict) -> None:
@@ -57,30 +61,31 @@ class DataSource:
   check_config: Callable[[ml_collections.ConfigDict], None] = _no_check
 
 
-def read_metadata(path: str, fmt: str, versions: tuple[int, ...], kind: str) -> dict:
+def read_metadata(path: str, fmt: str, versions: tuple[int, ...], kind: str,
+                  field: str = 'config.data.path') -> dict:
   """The metadata.json of a dataset directory that `python -m zoo.prepare <kind>` wrote in
   format `fmt`, one of `versions` (the last is what this zoo writes); ConfigError naming
-  config.data.path and the fix."""
+  `field` (where the path came from) and the fix."""
   prepare = f'`python -m zoo.prepare {kind}`'
   if storage.is_remote(path):
-    storage.check_bucket(path, 'config.data.path')
+    storage.check_bucket(path, field)
   if not storage.is_dir(path):
-    raise ConfigError(f'config.data.path: {path} is not a directory; give a dataset that '
+    raise ConfigError(f'{field}: {path} is not a directory; give a dataset that '
                       f'{prepare} wrote')
   meta_path = storage.join(path, METADATA)
   if not storage.is_file(meta_path):
-    raise ConfigError(f'config.data.path: {path} has no {METADATA}: it is not a prepared '
+    raise ConfigError(f'{field}: {path} has no {METADATA}: it is not a prepared '
                       f'dataset, or its preparation did not finish; run {prepare} again')
   try:
     meta = json.loads(storage.read_text(meta_path))
   except ValueError as e:
-    raise ConfigError(f'config.data.path: {meta_path} is not valid JSON ({e}); prepare the '
+    raise ConfigError(f'{field}: {meta_path} is not valid JSON ({e}); prepare the '
                       'dataset again') from None
   if meta.get('format') != fmt:
-    raise ConfigError(f'config.data.path: {path} holds {meta.get("format")!r} data, not '
+    raise ConfigError(f'{field}: {path} holds {meta.get("format")!r} data, not '
                       f'{fmt!r}; give a directory that {prepare} wrote')
   if meta.get('version') not in versions:
-    raise ConfigError(f'config.data.path: {path} was prepared by format version '
+    raise ConfigError(f'{field}: {path} was prepared by format version '
                       f'{meta.get("version")}, but this zoo reads version '
                       f'{" or ".join(map(str, versions))}; prepare it '
                       'again with this zoo')

@@ -72,11 +72,13 @@ class TrainBatches:
       self.local.close()
 
 
-def eval_batches(dataset: Dataset, batch_sharding: jax.sharding.NamedSharding,
-                 global_batch_size: int, max_batches: int = 0) -> Iterator[dict]:
-  """The global eval batches (the first `max_batches`; 0: all), each example once."""
+def eval_batches(batches: Callable[[int, slice], Iterator[dict]],
+                 batch_sharding: jax.sharding.NamedSharding, global_batch_size: int,
+                 max_batches: int = 0) -> Iterator[dict]:
+  """The global eval batches of `batches` (a Dataset's eval_batches: (global batch size,
+  rows) -> local batches), the first `max_batches` (0: all), each example once."""
   rows = process_rows(batch_sharding, global_batch_size)
-  for local in itertools.islice(dataset.eval_batches(global_batch_size, rows), max_batches or None):
+  for local in itertools.islice(batches(global_batch_size, rows), max_batches or None):
     yield to_global(local, batch_sharding, global_batch_size)
 
 

@@ -71,23 +71,23 @@ def rows(tokens: list[np.ndarray], spans: np.ndarray, ends: np.ndarray, seq_len:
 
 class EpochOrder:
   """Window indices by position in an endless stream of epochs, each a fresh permutation
-  of `count` windows from (seed, epoch): the global batch of step s is positions
-  s * B .. (s + 1) * B - 1, so every window is seen once per epoch, batches cross epoch
-  boundaries rather than drop windows, and the step alone is the data position."""
+  of `count` windows from (*seed, epoch): a single dataset's global batch of step s is
+  positions s * B .. (s + 1) * B - 1, so every window is seen once per epoch, batches
+  cross epoch boundaries rather than drop windows, and the step alone is the data
+  position."""
 
-  def __init__(self, count: int, seed: int):
-    self.count, self.seed, self._cache = count, seed, {}
+  def __init__(self, count: int, seed: tuple):
+    self.count, self.seed, self._cache = count, tuple(seed), {}
 
   def _epoch(self, epoch: int) -> np.ndarray:
     if epoch not in self._cache:
       if len(self._cache) > 1:
         self._cache.pop(min(self._cache))
-      self._cache[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.count)
+      self._cache[epoch] = np.random.default_rng([*self.seed, epoch]).permutation(self.count)
     return self._cache[epoch]
 
-  def __call__(self, step: int, global_batch_size: int, rows: slice) -> np.ndarray:
-    positions = step * global_batch_size + np.arange(global_batch_size)[rows]
-    epochs, within = np.divmod(positions, self.count)
+  def __call__(self, positions: np.ndarray) -> np.ndarray:
+    epochs, within = np.divmod(np.asarray(positions, np.int64), self.count)
     out = np.empty(len(positions), np.int64)
     for epoch in np.unique(epochs).tolist():
       here = epochs == epoch

@@ -23,6 +23,7 @@ needs nothing but the step. Eval tiles the validation split with windows that do
 overlap (packed alike in 'documents': every held-out token is a target once).
 """
 import array
+import functools
 import io
 import json
 import os
@@ -34,7 +35,7 @@ import numpy as np
 
 from absl import logging
 
-from zoo.data import dataset, documents, packing
+from zoo.data import dataset, documents, mixture, packing
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.data.dataset import DataSource, Dataset, padded_rows
 from zoo.errors import ConfigError, fail
@@ -87,8 +88,8 @@ class ShardWriter:
     return self.shards
 
 
-def read_metadata(path: str) -> dict:
-  return dataset.read_metadata(path, FORMAT, (1, VERSION), 'text')
+def read_metadata(path: str, field: str = 'config.data.path') -> dict:
+  return dataset.read_metadata(path, FORMAT, (1, VERSION), 'text', field)
 
 
 def _close_files(readers: list) -> None:
@@ -107,18 +108,18 @@ class TokenSplit:
   MADV_RANDOM or not).
   """
 
-  def __init__(self, path: str, name: str, meta: dict):
+  def __init__(self, path: str, name: str, meta: dict, field: str = 'config.data.path'):
     dtype = self.dtype = np.dtype(meta['dtype'])
     self.shards, starts = [], [0]  # Open readers, closed when the split is freed.
     weakref.finalize(self, _close_files, self.shards)
     for shard in meta['splits'][name]['shards']:
       file = storage.join(path, shard['file'])
       if not storage.is_file(file):
-        raise ConfigError(f'config.data.path: shard {file} is missing; prepare the dataset again')
+        raise ConfigError(f'{field}: shard {file} is missing; prepare the dataset again')
       size = storage.size(file)
       if size % dtype.itemsize or size // dtype.itemsize != shard['tokens']:
         raise ConfigError(
-            f'config.data.path: shard {file} is truncated or damaged: {size} bytes, but '
+            f'{field}: shard {file} is truncated or damaged: {size} bytes, but '
             f'{shard["tokens"]} {dtype.name} tokens ({shard["tokens"] * dtype.itemsize} bytes) '
             'were written; prepare the dataset again')
       self.shards.append(storage.RangeReader(file))
@@ -155,116 +156,131 @@ class TokenSplit:
     return packing.rows(got, spans, ends, seq_len, eos)
 
 
-def _document_ends(path: str, meta: dict, name: str, split: TokenSplit) -> np.ndarray:
-  """The split's document index: where each document ends (format version 2)."""
-  file = storage.join(path, meta['splits'][name]['documents_file'])
-  try:
-    ends = np.load(io.BytesIO(storage.read_bytes(file)))
-  except (OSError, ValueError) as e:
-    raise ConfigError(f'config.data.path: {file} cannot be read ({type(e).__name__}); '
-                      'prepare the dataset again') from None
-  if (ends.ndim != 1 or not len(ends) or ends[-1] != split.tokens
-      or np.any(np.diff(ends) < 0) or ends[0] < 0):
-    raise ConfigError(f'config.data.path: {file} does not index the {split.tokens} tokens of '
-                      f'the {name} split; prepare the dataset again')
-  return ends.astype(np.int64)
+class TokenSource:
+  """One prepared token dataset (`path`, named in errors by `field`), cut into windows of
+  `seq_len` targets as `windows` says: training rows by their position in the source's
+  own stream of examples, eval batches, the tokenizer. A mixture (zoo.data.mixture) reads
+  several."""
+
+  def __init__(self, path: str, seq_len: int, windows: str, seed: int,
+               field: str = 'config.data.path', stream: tuple = ()):
+    meta = read_metadata(path, field)
+    if windows == 'documents' and meta['version'] < 2:
+      raise ConfigError(f'{field}: {path} was prepared without a document index (format '
+                        f'version {meta["version"]}); prepare it again with this zoo, or set '
+                        "data.windows='stream' to read it as one stream")
+    if windows == 'documents' and meta['eos_id'] < 0:
+      raise ConfigError(f'{field}: the tokenizer of {path} has no end-of-document token to '
+                        "separate documents; set data.windows='stream'")
+    self.train, self.val = (TokenSplit(path, name, meta, field) for name in SPLITS)
+    self.path, self.field, self.meta, self.seq_len, self.seed = path, field, meta, seq_len, seed
+    self.windows, self.stream, self.eos = windows, stream, meta['eos_id']
+    self.vocab_size = meta['vocab_size']
+    if windows == 'documents' and self.train.tokens < seq_len:
+      raise ConfigError(f'config.data.seq_len: {seq_len} is longer than the {self.train.tokens} '
+                        f'tokens of the train split of {path}; lower data.seq_len or give more '
+                        'text')
+    for split, name, fix in ((self.train, 'train', 'give it more text'),
+                            (self.val, 'validation', 'prepare it with a larger --val_fraction')):
+      if windows == 'stream' and split.tokens < seq_len + 1:
+        raise ConfigError(f'{field}: the {name} split of {path} has {split.tokens} tokens, '
+                          f'fewer than data.seq_len + 1 = {seq_len + 1}; lower data.seq_len '
+                          f'or {fix}')
+    again = 'prepare the dataset again'
+    tokenizer_file = storage.join(path, meta['tokenizer']['file'])
+    self.tokenizer = tokenizer_lib.load(tokenizer_file, field, again)
+    self.tokenizer_json = storage.read_bytes(tokenizer_file)
+    bytes_file = storage.join(path, meta['token_bytes'])
+    try:
+      self.token_bytes = np.load(io.BytesIO(storage.read_bytes(bytes_file)))
+    except (OSError, ValueError) as e:
+      raise ConfigError(f'{field}: {bytes_file} cannot be read ({type(e).__name__}); '
+                        f'{again}') from None
+    if self.token_bytes.shape != (self.vocab_size,):
+      raise ConfigError(f'{field}: {meta["token_bytes"]} has {self.token_bytes.shape} entries '
+                        f'for a vocabulary of {self.vocab_size}; {again}')
+    self.plans = {}
+    if windows == 'documents':
+      for name, split in (('train', self.train), ('val', self.val)):
+        ends = self._document_ends(name, split)
+        starts = packing.plan(ends, seq_len)
+        self.plans[name] = (ends, np.stack([starts[:-1], starts[1:]], 1))
+        logging.info('%s%s split: %d documents packed into %d windows of %d tokens, %.2f%% of '
+                     'them padding', f'{path}: ' if stream else '', name, len(ends),
+                     len(starts) - 1, seq_len, 100 * packing.padding(starts, seq_len))
+      self.num_train = len(self.plans['train'][1])
+      self._order = packing.EpochOrder(self.num_train, (seed, *stream))
+    else:
+      self.num_train = self.train.tokens // (seq_len + 1)
+
+  def _document_ends(self, name: str, split: TokenSplit) -> np.ndarray:
+    """The split's document index: where each document ends (format version 2)."""
+    file = storage.join(self.path, self.meta['splits'][name]['documents_file'])
+    try:
+      ends = np.load(io.BytesIO(storage.read_bytes(file)))
+    except (OSError, ValueError) as e:
+      raise ConfigError(f'{self.field}: {file} cannot be read ({type(e).__name__}); prepare the '
+                        'dataset again') from None
+    if (ends.ndim != 1 or not len(ends) or ends[-1] != split.tokens
+        or np.any(np.diff(ends) < 0) or ends[0] < 0):
+      raise ConfigError(f'{self.field}: {file} does not index the {split.tokens} tokens of the '
+                        f'{name} split; prepare the dataset again')
+    return ends.astype(np.int64)
+
+  def train_rows(self, positions: np.ndarray) -> dict:
+    """The training examples at `positions` of this source's endless stream of them: packed
+    windows in epochs of permutations; stream windows at a start drawn per position."""
+    if self.windows == 'documents':
+      ends, spans = self.plans['train']
+      return self.train.packed(spans[self._order(positions)], ends, self.seq_len, self.eos)
+    starts = np.array([np.random.default_rng([self.seed, *self.stream, p]).integers(
+        0, self.train.tokens - self.seq_len) for p in positions.tolist()], np.int64)
+    return self._split(self.train.windows(starts, self.seq_len + 1))
+
+  def train_batch(self, step: int, global_batch_size: int, rows: slice) -> dict:
+    """This process's rows of the global batch of `step`: positions step x batch + row
+    (packed); stream windows keep their draw from (seed, step)."""
+    if self.windows == 'documents':
+      return self.train_rows(step * global_batch_size + np.arange(global_batch_size)[rows])
+    starts = np.random.default_rng([self.seed, step]).integers(
+        0, self.train.tokens - self.seq_len, size=global_batch_size)[rows]
+    return self._split(self.train.windows(starts, self.seq_len + 1))
+
+  def eval_batches(self, global_batch_size: int, rows: slice) -> Iterator[dict]:
+    """The validation split tiled once, with each target's UTF-8 bytes."""
+    if self.windows == 'documents':
+      ends, spans = self.plans['val']
+      batches = ({**self.val.packed(spans[idx], ends, self.seq_len, self.eos), 'weights': weights}
+                 for idx, weights in padded_rows(len(spans), global_batch_size, rows))
+    else:
+      window = self.seq_len + 1
+      batches = ({**self._split(self.val.windows(idx * window, window)), 'weights': weights}
+                 for idx, weights in padded_rows(self.val.tokens // window, global_batch_size,
+                                                 rows))
+    for batch in batches:
+      yield {**batch, 'bytes': self.token_bytes[batch['targets']]}
+
+  @staticmethod
+  def _split(w: np.ndarray) -> dict:
+    return {'inputs': w[:, :-1], 'targets': w[:, 1:]}
+
+  def decode(self, ids: np.ndarray) -> str:
+    return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+  def encode(self, text: str) -> np.ndarray:
+    return np.array(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
 
 
 def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
-  path, seq_len = data_config.path, data_config.seq_len
   windows = data_config.get('windows', 'documents')
-  meta = read_metadata(path)
-  if windows == 'documents' and meta['version'] < 2:
-    raise ConfigError(f'config.data.path: {path} was prepared without a document index (format '
-                      f'version {meta["version"]}); prepare it again with this zoo, or set '
-                      "data.windows='stream' to read it as one stream")
-  if windows == 'documents' and meta['eos_id'] < 0:
-    raise ConfigError(f'config.data.path: the tokenizer of {path} has no end-of-document '
-                      "token to separate documents; set data.windows='stream'")
-  train, val = (TokenSplit(path, name, meta) for name in SPLITS)
-  window = seq_len + 1
-  if windows == 'documents' and train.tokens < seq_len:
-    raise ConfigError(f'config.data.seq_len: {seq_len} is longer than the {train.tokens} tokens '
-                      f'of the train split of {path}; lower data.seq_len or give more text')
-  for split, name, fix in ((train, 'train', 'give it more text'),
-                          (val, 'validation', 'prepare it with a larger --val_fraction')):
-    if windows == 'stream' and split.tokens < window:
-      raise ConfigError(f'config.data.path: the {name} split of {path} has {split.tokens} '
-                        f'tokens, fewer than data.seq_len + 1 = {window}; lower data.seq_len or '
-                        f'{fix}')
-  again = 'prepare the dataset again'
-  tokenizer = tokenizer_lib.load(storage.join(path, meta['tokenizer']['file']),
-                                 'config.data.path', again)
-  try:
-    token_bytes = np.load(io.BytesIO(storage.read_bytes(storage.join(path, meta['token_bytes']))))
-  except (OSError, ValueError) as e:
-    raise ConfigError(f'config.data.path: {storage.join(path, meta["token_bytes"])} cannot be '
-                      f'read ({type(e).__name__}); {again}') from None
-  if token_bytes.shape != (meta['vocab_size'],):
-    raise ConfigError(f'config.data.path: {meta["token_bytes"]} has {token_bytes.shape} entries '
-                      f'for a vocabulary of {meta["vocab_size"]}; {again}')
-
-  if windows == 'documents':
-    train_batch, eval_batches, num_train = _packed(path, meta, train, val, seq_len, seed)
-  else:
-    train_batch, eval_batches, num_train = _stream(train, val, window, seed)
-
-  def eval_with_bytes(global_batch_size, rows):
-    for batch in eval_batches(global_batch_size, rows):
-      yield {**batch, 'bytes': token_bytes[batch['targets']]}
-
-  def decode(ids):
-    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
-
-  def encode(text):
-    return np.array(tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
-
-  return Dataset(task='lm', model_fields={'vocab_size': meta['vocab_size']},
-                 train_batch=train_batch, eval_batches=eval_with_bytes, num_train=num_train,
-                 decode=decode, encode=encode, token_unit='token',
-                 examples_read=lambda: train.windows_read)
-
-
-def _stream(train: TokenSplit, val: TokenSplit, window: int, seed: int) -> tuple:
-  """data.windows='stream': windows at random positions of the stream, across documents."""
-  def train_batch(step, global_batch_size, rows):
-    starts = np.random.default_rng([seed, step]).integers(
-        0, train.tokens - window + 1, size=global_batch_size)[rows]
-    w = train.windows(starts, window)
-    return {'inputs': w[:, :-1], 'targets': w[:, 1:]}
-
-  def eval_batches(global_batch_size, rows):
-    for idx, weights in padded_rows(val.tokens // window, global_batch_size, rows):
-      w = val.windows(idx * window, window)
-      yield {'inputs': w[:, :-1], 'targets': w[:, 1:], 'weights': weights}
-
-  return train_batch, eval_batches, train.tokens // window
-
-
-def _packed(path: str, meta: dict, train: TokenSplit, val: TokenSplit, seq_len: int,
-            seed: int) -> tuple:
-  """data.windows='documents': documents packed into windows (zoo.data.packing)."""
-  eos = meta['eos_id']
-  plans = {}
-  for name, split in (('train', train), ('val', val)):
-    ends = _document_ends(path, meta, name, split)
-    starts = packing.plan(ends, seq_len)
-    plans[name] = (ends, np.stack([starts[:-1], starts[1:]], 1))
-    logging.info('%s split: %d documents packed into %d windows of %d tokens, %.2f%% of them '
-                 'padding', name, len(ends), len(starts) - 1, seq_len,
-                 100 * packing.padding(starts, seq_len))
-  order = packing.EpochOrder(len(plans['train'][1]), seed)
-
-  def train_batch(step, global_batch_size, rows):
-    ends, spans = plans['train']
-    return train.packed(spans[order(step, global_batch_size, rows)], ends, seq_len, eos)
-
-  def eval_batches(global_batch_size, rows):
-    ends, spans = plans['val']
-    for idx, weights in padded_rows(len(spans), global_batch_size, rows):
-      yield {**val.packed(spans[idx], ends, seq_len, eos), 'weights': weights}
-
-  return train_batch, eval_batches, len(plans['train'][1])
+  if data_config.get('sources'):
+    return mixture.load(data_config, seed, functools.partial(
+        TokenSource, seq_len=data_config.seq_len, windows=windows, seed=seed))
+  source = TokenSource(data_config.path, data_config.seq_len, windows, seed)
+  return Dataset(task='lm', model_fields={'vocab_size': source.vocab_size},
+                 train_batch=source.train_batch, eval_batches=source.eval_batches,
+                 num_train=source.num_train, decode=source.decode, encode=source.encode,
+                 token_unit='token', examples_read=lambda: source.train.windows_read)
 
 
 def tokenizer_dataset(path: str, vocab_size: int, seq_len: int) -> Dataset:
@@ -289,10 +305,14 @@ def tokenizer_dataset(path: str, vocab_size: int, seq_len: int) -> Dataset:
 
 
 def check_config(data_config: ml_collections.ConfigDict) -> None:
-  if not data_config.get('path'):
-    fail('data.path', 'is empty; give the directory that `python -m zoo.prepare text` wrote')
   if data_config.get('windows', 'documents') not in WINDOWS:
     fail('data.windows', f'unknown windows {data_config.windows!r}; known: {", ".join(WINDOWS)}')
+  if data_config.get('sources'):
+    for name, path in mixture.check_config(data_config).items():
+      read_metadata(path, f'config.data.sources.{name}')
+    return
+  if not data_config.get('path'):
+    fail('data.path', 'is empty; give the directory that `python -m zoo.prepare text` wrote')
   read_metadata(data_config.path)
 
 

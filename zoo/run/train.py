@@ -115,13 +115,24 @@ class Reporter:
 
 
 def evaluate(eval_step: Callable, state: steps.TrainState, setup: setup_lib.Setup) -> dict:
-  """The task's metrics over the eval split (or its first eval.max_batches batches)."""
-  sums = None
-  for batch in feed.eval_batches(setup.dataset, setup.batch_sharding, setup.config.eval.batch_size,
-                                 setup.config.eval.max_batches):
-    out = eval_step(state, batch)
-    sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
-  return setup.task.metrics(jax.device_get(sums), setup.dataset)
+  """The task's metrics over the eval split (or its first eval.max_batches batches); for
+  a dataset in parts (a mixture's sources), over each part (`eval/<part>/...`, its first
+  eval.max_batches) and over all of them together (`eval/...`)."""
+  dataset, config = setup.dataset, setup.config
+  parts = dataset.eval_sources or {'': dataset.eval_batches}
+  result, total = {}, None
+  for name, batches in parts.items():
+    sums = None
+    for batch in feed.eval_batches(batches, setup.batch_sharding, config.eval.batch_size,
+                                   config.eval.max_batches):
+      out = eval_step(state, batch)
+      sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
+    sums = jax.device_get(sums)
+    total = sums if total is None else jax.tree.map(np.add, total, sums)
+    if name:
+      result.update({k.replace('eval/', f'eval/{name}/', 1): v
+                     for k, v in setup.task.metrics(sums, dataset).items()})
+  return {**setup.task.metrics(total, dataset), **result}
 
 
 def compile_steps(setup: setup_lib.Setup, state: steps.TrainState) -> tuple:
