@@ -66,6 +66,7 @@ def get_config(arg=None):
   c.eval.batch_size = 64
   c.eval.max_batches = 0         # The whole validation split.
   c.eval.sample_temperature = 0.8
+  c.eval.choice_tasks = ('numpy_next_line',)  # Pick NumPy's next line of code of 4 choices.
   c.checkpoint.every_steps = 200
   if 'mixture' in variants:  # Code and prose, each evaluated on its own.
     c.data.path = ''
@@ -78,6 +79,6 @@ def get_config(arg=None):
     c.data.seq_len = 32
     c.train.update(steps=40, batch_size=16, log_every_steps=10)
     c.optimizer.warmup_steps = 5
-    c.eval.update(every_steps=40, batch_size=16, max_batches=2)
+    c.eval.update(every_steps=40, batch_size=16, max_batches=2, choice_tasks=())
     c.checkpoint.every_steps = 40
   return c

@@ -45,6 +45,9 @@ class Dataset:
   # name -> (global_batch_size, rows) -> eval batches: the eval split's parts (a mixture's
   # sources), reported each on its own and together; eval_batches is all of them.
   eval_sources: Optional[dict[str, Callable[[int, slice], Iterator[dict]]]] = None
+  # The token that ends each document, and so is the input before a document's first token
+  # (packed token data); None: the data has none.
+  eos_id: Optional[int] = None
 
 
 def _no_check(data_config: ml_collections.ConfigDict) -> None:

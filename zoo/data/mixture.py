@@ -177,4 +177,5 @@ def load(data_config: ml_collections.ConfigDict, seed: int,
                                                 if shares_[n] > 0),
       decode=first.decode, encode=first.encode, token_unit='token',
       examples_read=lambda: sum(s.train.windows_read for s in sources),
-      eval_sources={n: s.eval_batches for n, s in zip(names, sources)})
+      eval_sources={n: s.eval_batches for n, s in zip(names, sources)},
+      eos_id=first.eos if first.eos >= 0 else None)

@@ -280,7 +280,8 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
   return Dataset(task='lm', model_fields={'vocab_size': source.vocab_size},
                  train_batch=source.train_batch, eval_batches=source.eval_batches,
                  num_train=source.num_train, decode=source.decode, encode=source.encode,
-                 token_unit='token', examples_read=lambda: source.train.windows_read)
+                 token_unit='token', examples_read=lambda: source.train.windows_read,
+                 eos_id=source.eos if source.eos >= 0 else None)
 
 
 def tokenizer_dataset(path: str, vocab_size: int, seq_len: int) -> Dataset:

@@ -13,6 +13,7 @@ import jax
 import ml_collections
 
 from zoo import data, models
+from zoo.data import choice
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError, fail, first_line
 from zoo.parallel import mesh as mesh_lib
@@ -62,6 +63,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.batch_size = 128                 # Global; the last batch is padded and masked.
   c.eval.max_batches = 0                  # 0: the whole eval split.
   c.eval.sample_temperature = 0.8         # LM only: the sample printed at each eval; 0 is greedy.
+  c.eval.choice_tasks = ()                # LM only: multiple-choice tasks (zoo.data.choice).
   c.metrics = ml_collections.ConfigDict()  # metrics.jsonl and TensorBoard always; W&B if set.
   c.metrics.wandb_project = ''            # A W&B project: rows, config, samples (`.[wandb]`).
   c.metrics.wandb_entity = ''             # W&B team or user ('': the default).
@@ -212,6 +214,13 @@ def _validate_run(config):
   if config.eval.max_batches < 0:
     fail('eval.max_batches',
          f'must be >= 0 (0: the whole eval split), got {config.eval.max_batches}')
+  tasks_ = config.eval.get('choice_tasks', ())
+  if isinstance(tasks_, str) or not all(isinstance(t, str) and t for t in tasks_):
+    fail('eval.choice_tasks', f'must be a tuple of task files or names, e.g. '
+         f"('numpy_next_line',), got {tasks_!r}")
+  if len({choice.name_of(t) for t in tasks_}) != len(tasks_):
+    fail('eval.choice_tasks', f'{tasks_!r} names a task twice; give each once (a task is named '
+         'by its file name)')
 
 
 def _validate_batch_sizes(config, num_devices):
@@ -264,6 +273,9 @@ def validate_with_data(config: ml_collections.ConfigDict, dataset: Dataset,
          f'training examples of {config.data.name!r}')
   example = dataset.train_batch(0, 1, slice(0, 1))
   family.check_inputs(config.model, tasks.TASKS[family.task].model_inputs(example))
+  if config.eval.get('choice_tasks') and dataset.encode is None:
+    fail('eval.choice_tasks', f'multiple-choice tasks score text, but {config.data.name!r} data '
+         'has no tokenizer; train a language model on text or tokens')
 
 
 def validate_shardings(param_rows: list, mesh: jax.sharding.Mesh, rules: tuple) -> None:

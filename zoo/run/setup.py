@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from zoo import data, models
-from zoo.data import feed
+from zoo.data import choice, feed
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError
 from zoo.models.family import ModelFamily
@@ -49,6 +49,7 @@ class Setup:
   state_shardings: steps.TrainState  # A NamedSharding per leaf of the state.
   rng: jax.Array                # The run's key, for initialisation (dropout: steps.dropout_key).
   batch: dict                   # A global train batch's shapes and sharding (ShapeDtypeStructs).
+  choice_tasks: tuple = ()      # Multiple-choice tasks evaluated in the loop (zoo.data.choice).
 
   def scope(self) -> contextlib.AbstractContextManager:
     """The mesh and the rules, under which model code is traced (and constraints kept)."""
@@ -84,6 +85,13 @@ class Setup:
   def jit_eval_step(self) -> Callable[[steps.TrainState, dict], dict]:
     return jax.jit(functools.partial(steps.eval_step, task=self.task),
                    in_shardings=(self.state_shardings, self.batch_sharding))
+
+  def jit_choice_step(self) -> Callable[[steps.TrainState, dict], jax.Array]:
+    """(state, batch) -> each row's log-likelihood of its choice, on every process."""
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return jax.jit(functools.partial(steps.choice_step, task=self.task),
+                   in_shardings=(self.state_shardings, self.batch_sharding),
+                   out_shardings=replicated)
 
   def jit_check_state(self) -> Callable[[steps.TrainState], dict]:
     # steps.check_state is looked up when this is called, so tests can replace it.
@@ -170,6 +178,9 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
     feed.rows_by_process(setup.batch_sharding, size)  # One block each, or ConfigError.
   if not plan:
     check_memory(setup)
+    setup = dataclasses.replace(setup, choice_tasks=tuple(
+        choice.load(spec, dataset.encode, config.data.seq_len, dataset.eos_id)
+        for spec in config.eval.get('choice_tasks', ())))
   return setup
 
 

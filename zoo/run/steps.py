@@ -140,6 +140,16 @@ def eval_step(state: TrainState, batch: dict, task: Task) -> dict:
   return sums
 
 
+def choice_step(state: TrainState, batch: dict, task: Task) -> jax.Array:
+  """Each row's log-likelihood of its targets where `mask` is 1 (a multiple-choice task's
+  choice given its context, zoo.data.choice): [B], float32."""
+  logits = state.apply_fn({'params': state.params, **state.model_state},
+                          *task.model_inputs(batch), **task.model_keywords(batch)
+                          ).astype(jnp.float32)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
+  return -(losses * batch['mask']).sum(axis=-1)
+
+
 def check_state(state: TrainState) -> dict:
   """The parameter norm, and whether everything a checkpoint saves is finite."""
   finite = [jnp.isfinite(x).all() for x in jax.tree.leaves(state)]  # What a checkpoint saves.

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from zoo.data import feed
+from zoo.data import choice, feed
 from zoo.errors import NonFiniteError
 from zoo.parallel import sharding
 from zoo.run import config as cfg
@@ -114,10 +114,12 @@ class Reporter:
     self.restart_clock(step)
 
 
-def evaluate(eval_step: Callable, state: steps.TrainState, setup: setup_lib.Setup) -> dict:
+def evaluate(eval_step: Callable, state: steps.TrainState, setup: setup_lib.Setup,
+             choice_step: Optional[Callable] = None) -> dict:
   """The task's metrics over the eval split (or its first eval.max_batches batches); for
   a dataset in parts (a mixture's sources), over each part (`eval/<part>/...`, its first
-  eval.max_batches) and over all of them together (`eval/...`)."""
+  eval.max_batches) and over all of them together (`eval/...`); then, with `choice_step`
+  (Setup.jit_choice_step), each multiple-choice task's `eval/<task>/acc` and `acc_norm`."""
   dataset, config = setup.dataset, setup.config
   parts = dataset.eval_sources or {'': dataset.eval_batches}
   result, total = {}, None
@@ -132,7 +134,14 @@ def evaluate(eval_step: Callable, state: steps.TrainState, setup: setup_lib.Setu
     if name:
       result.update({k.replace('eval/', f'eval/{name}/', 1): v
                      for k, v in setup.task.metrics(sums, dataset).items()})
-  return {**setup.task.metrics(total, dataset), **result}
+  result = {**setup.task.metrics(total, dataset), **result}
+  for task in setup.choice_tasks if choice_step else ():
+    size = config.eval.batch_size
+    rows = feed.process_rows(setup.batch_sharding, size)
+    logliks = [np.asarray(choice_step(state, feed.to_global(local, setup.batch_sharding, size)))
+               for local in choice.batches(task, size, rows)]
+    result.update(choice.metrics(task, np.concatenate(logliks)))
+  return result
 
 
 def compile_steps(setup: setup_lib.Setup, state: steps.TrainState) -> tuple:
@@ -187,6 +196,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> step
     stop = checkpoint.StopRequest(manager)  # A SIGTERM from here on saves a step and exits.
     cleanup.callback(stop.close)
     train_step, check_step, eval_step, cost = compile_steps(setup, state)
+    choice_step = setup.jit_choice_step() if setup.choice_tasks else None
     if is_main:
       metrics.write_json(workdir, 'model_info.json', {
           'mesh': dict(mesh.shape),
@@ -226,7 +236,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> step
         logging.warning('stop requested (SIGTERM or preemption) at step %d: saved, exiting', done)
         break
       if eval_due:
-        reporter.evaluated(done, evaluate(eval_step, state, setup), state.params)
+        reporter.evaluated(done, evaluate(eval_step, state, setup, choice_step), state.params)
     if setup.dataset.examples_read:  # Datasets read from files: what this process read.
       logging.info('process %d read %d training examples for %d steps (and any prefetched)',
                    jax.process_index(), setup.dataset.examples_read() - read_before,
