@@ -24,13 +24,20 @@ def prepare(root, output, *args):
 
 
 @pytest.fixture(scope='module')
-def dataset_dir(tmp_path_factory):
-  """The bundled digits as PNG files (train/ and val/ as the in-memory split), prepared."""
+def prepared(tmp_path_factory):
+  """The bundled digits as PNG files (train/ and val/ as the in-memory split), prepared as
+  pixels (what --store=auto keeps for 8x8 images) and as the PNG files."""
   root = tmp_path_factory.mktemp('records')
   digits.write_image_folder(str(root / 'png'))
-  result = prepare(root / 'png', root / 'digits')
-  assert result.returncode == 0, result.stderr[-2000:]
-  return str(root / 'digits')
+  for store in ('auto', 'file'):
+    result = prepare(root / 'png', root / store, f'--store={store}')
+    assert result.returncode == 0, result.stderr[-2000:]
+  return {'pixels': str(root / 'auto'), 'file': str(root / 'file')}
+
+
+@pytest.fixture(scope='module')
+def dataset_dir(prepared):
+  return prepared['pixels']
 
 
 def _config(path, **overrides):
@@ -38,10 +45,13 @@ def _config(path, **overrides):
                                       'mesh.shape': (4, 2), **overrides})
 
 
-def test_the_records_hold_the_in_memory_digits(dataset_dir):
+@pytest.mark.parametrize('store', ['pixels', 'file'])
+def test_the_records_hold_the_in_memory_digits(prepared, store):
+  dataset_dir = prepared[store]
   with open(os.path.join(dataset_dir, 'metadata.json'), encoding='utf-8') as f:
     meta = json.load(f)
   assert meta['classes'] == [str(d) for d in range(10)] and meta['image_shape'] == [8, 8, 1]
+  assert meta['encoding'] == store
   assert [meta['splits'][s]['examples'] for s in ('train', 'val')] == [1437, 360]
   memory = data.load(load_config('cnn_digits').data, 0)
   files = data.load(_config(dataset_dir).data, 0)
@@ -95,12 +105,15 @@ def test_trains_to_the_in_memory_accuracy_and_resumes_exactly(dataset_dir, tmp_p
   assert rows('resumed') == rows('straight')
 
 
-def test_a_record_that_does_not_decode_is_named_with_its_file(dataset_dir, tmp_path, devices):
+@pytest.mark.parametrize('store,cause', [('file', r'cannot be decoded \(UnidentifiedImageError'),
+                                         ('pixels', r'holds 12 bytes of pixels, not 8x8x1')])
+def test_a_record_that_does_not_decode_is_named_with_its_file(prepared, store, cause, tmp_path,
+                                                              devices):
   """A record whose image bytes are damaged after prepare: the shard and index are named."""
   del devices
   from array_record.python import array_record_module  # pylint: disable=import-outside-toplevel
   path = str(tmp_path / 'damaged')
-  shutil.copytree(dataset_dir, path)
+  shutil.copytree(prepared[store], path)
   source = records.Reader(path, records.read_metadata(path), 'train')
   source.batch(np.arange(1))  # Opens the file.
   all_records = source._source.__getitems__(list(range(source.size)))  # pylint: disable=protected-access
@@ -111,8 +124,7 @@ def test_a_record_that_does_not_decode_is_named_with_its_file(dataset_dir, tmp_p
     writer.write(r)
   writer.close()
   step = next(s for s in range(20) if 5 in records.epoch_order(0, 1437, s, 128))
-  message = (r'config\.data\.path: record 5 of .*train-00000\.array_record cannot be decoded '
-             r'\(UnidentifiedImageError')
+  message = r'config\.data\.path: record 5 of .*train-00000\.array_record ' + cause
   with pytest.raises(ConfigError, match=message):
     data.load(_config(path).data, 0).train_batch(step, 128, slice(None))
   workers = _config(path, **{'data.workers': 1}).data
@@ -138,7 +150,7 @@ def test_bad_record_settings(dataset_dir, overrides, message, tmp_path, devices)
 
 @pytest.mark.parametrize('how,message', [
     ('version', r'config\.data\.path: .* was prepared by format version 7, but this zoo reads '
-                r'version 1; prepare it again'),
+                r'version 1 or 2; prepare it again'),
     ('missing', r'config\.data\.path: record file .*val-00000\.array_record is missing'),
     ('truncated', r'config\.data\.path: record file .*train-00000\.array_record (holds \d+ '
                   r'records, but 1437 were written|is damaged \(.*\)); prepare the dataset again'),

@@ -54,6 +54,10 @@ _IMAGE_SIZE = flags.DEFINE_integer(
     'image_size', 0, 'images: resize the shorter side to this and crop the centre square '
     '(needed when the images differ in size); 0: keep them as they are.')
 _SHARD_EXAMPLES = flags.DEFINE_integer('shard_examples', 4096, 'images: images per record file.')
+_STORE = flags.DEFINE_enum(
+    'store', 'auto', ['auto', 'pixels', 'file'], 'images: what a record holds: its pixels '
+    '(no decoding when read), its PNG/JPEG file (smaller, decoded when read), or auto: pixels '
+    'for images of at most 64x64x3 bytes.')
 flags.mark_flags_as_required(['output'])
 
 KINDS = ('text', 'images')
@@ -121,7 +125,8 @@ def images_writer(patterns: list[str]) -> Callable[[str], str]:
     raise ConfigError(f'--input: {",".join(patterns) or "missing"}: give one directory, the root '
                       'of an image-folder tree (ROOT/train/<class>/*.png)')
   plan = records.plan(patterns[0], val_fraction=_VAL_FRACTION.value, seed=_SEED.value,
-                      image_size=_IMAGE_SIZE.value, progress_bar=progress_bar)
+                      image_size=_IMAGE_SIZE.value, progress_bar=progress_bar,
+                      store=_STORE.value)
 
   def write(partial):
     meta = records.prepare(plan, partial, shard_examples=_SHARD_EXAMPLES.value,

@@ -6,7 +6,13 @@ wrote from an image-folder tree (ROOT/train/<class>/*.png|jpg, optional ROOT/val
     metadata.json               format and version, class names, image shape, the training
                                 images' per-channel mean and std, per split: examples, shards
     train-00000.array_record    one record per image: its label (4 bytes, little-endian)
-    val-00000.array_record      and its PNG or JPEG file's bytes
+    val-00000.array_record      and its pixels (H x W x C uint8, `encoding: pixels`) or its
+                                PNG or JPEG file's bytes (`encoding: file`)
+
+`zoo.prepare images --store=auto` keeps pixels for images of at most PIXELS_MAX_BYTES
+(the digits, CIFAR-sized images): decoding a small PNG costs more than its bytes save, and
+a pixel record needs no decoding at all. Larger images keep their compressed files,
+decoded when read.
 
 Records are read through grain's random-access ArrayRecordDataSource, only the rows of each
 global batch that this process holds. Training batches follow zoo's epoch order, a pure
@@ -21,6 +27,7 @@ import concurrent.futures
 import dataclasses
 import io
 import json
+import math
 import os
 import signal
 import sys
@@ -35,7 +42,9 @@ from zoo.data.dataset import DataSource, Dataset, epoch_order, padded_rows
 from zoo.errors import ConfigError, fail
 from zoo.store import storage
 
-FORMAT, VERSION = 'zoo.records', 1
+FORMAT, VERSION = 'zoo.records', 2  # 2 added `encoding`; 1 is 'file'.
+STORES = ('auto', 'pixels', 'file')
+PIXELS_MAX_BYTES = 64 * 64 * 3  # --store=auto keeps pixels up to this size of an image.
 METADATA = dataset.METADATA
 SPLITS = ('train', 'val')
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg')
@@ -54,6 +63,7 @@ class Plan:
   image_size: int           # > 0: images are resized and centre-cropped to this square.
   mean: list
   std: list
+  encoding: str = 'file'    # What a record holds: 'pixels' (uint8 H x W x C) or 'file'.
 
 
 def _image_files(directory: str) -> list[str]:
@@ -135,10 +145,13 @@ MAX_IMAGE_SIZE = 8192  # Pixels a side: 192 MiB an RGB image, as uint8.
 
 
 def plan(root: str, val_fraction: float = 0.01, seed: int = 0, image_size: int = 0,
-         progress_bar: Optional[Callable] = None) -> Plan:
+         progress_bar: Optional[Callable] = None, store: str = 'auto') -> Plan:
   """Scans and decodes every image once, on threads over the cores: ConfigError naming and
   counting the unreadable ones, or images of different sizes without `image_size`; the
-  training images' mean and std per channel (in [0, 1])."""
+  training images' mean and std per channel (in [0, 1]); what records will hold (`store`:
+  'pixels', 'file', or 'auto': pixels for images of at most PIXELS_MAX_BYTES)."""
+  if store not in STORES:
+    raise ConfigError(f'--store: unknown {store!r}; known: {", ".join(STORES)}')
   if not 0 <= image_size <= MAX_IMAGE_SIZE:
     raise ConfigError(f'--image_size: must be in [1, {MAX_IMAGE_SIZE}] pixels (0: keep the sizes), '
                       f'got {image_size}')
@@ -177,16 +190,27 @@ def plan(root: str, val_fraction: float = 0.01, seed: int = 0, image_size: int =
   if gray:  # All channels are equal: keep one.
     mean, std = mean[:1], std[:1]
   (width, height), = shapes
-  return Plan(root, classes, examples, (height, width, 1 if gray else 3), image_size,
-              [float(m) for m in mean], [float(s) for s in std])
+  shape = (height, width, 1 if gray else 3)
+  if store == 'auto':
+    store = 'pixels' if math.prod(shape) <= PIXELS_MAX_BYTES else 'file'
+  return Plan(root, classes, examples, shape, image_size, [float(m) for m in mean],
+              [float(s) for s in std], store)
 
 
-def _encoded(path: str, image_size: int) -> bytes:
+def _encoded(path: str, p: Plan) -> bytes:
+  """What a record holds after its label: the image's pixels, or its file (resized to
+  p.image_size, if given, in the file's own format)."""
+  image_size = p.image_size
   with open(path, 'rb') as f:
     data = f.read()
+  from PIL import Image  # pylint: disable=import-outside-toplevel
+  if p.encoding == 'pixels':
+    with Image.open(io.BytesIO(data)) as image:
+      image = _resized(image, image_size) if image_size else image
+      pixels = np.asarray(image.convert('L' if p.image_shape[2] == 1 else 'RGB'), np.uint8)
+    return pixels.reshape(p.image_shape).tobytes()
   if not image_size:
     return data  # The file as it is: decoding happens at training time.
-  from PIL import Image  # pylint: disable=import-outside-toplevel
   with Image.open(io.BytesIO(data)) as image:
     fmt = 'JPEG' if image.format == 'JPEG' else 'PNG'
     out = io.BytesIO()
@@ -211,7 +235,7 @@ def prepare(p: Plan, directory: str, shard_examples: int = 4096,
       name = f'{split}-{len(shards):05d}.array_record'
       writer = array_record_module.ArrayRecordWriter(os.path.join(directory, name), 'group_size:1')
       for path, label in chunk:
-        writer.write(int(label).to_bytes(4, 'little') + _encoded(path, p.image_size))
+        writer.write(int(label).to_bytes(4, 'little') + _encoded(path, p))
         if bar is not None:
           bar.update(1)
       writer.close()
@@ -221,7 +245,8 @@ def prepare(p: Plan, directory: str, shard_examples: int = 4096,
     bar.close()
   meta = {'format': FORMAT, 'version': VERSION, 'classes': p.classes,
           'image_shape': list(p.image_shape), 'image_size': p.image_size, 'mean': p.mean,
-          'std': p.std, 'root': os.path.abspath(p.root), 'splits': splits}
+          'std': p.std, 'encoding': p.encoding, 'root': os.path.abspath(p.root),
+          'splits': splits}
   with open(os.path.join(directory, METADATA), 'w', encoding='utf-8') as f:
     json.dump(meta, f, indent=2)
   return meta
@@ -243,7 +268,8 @@ def read_metadata(path: str) -> dict:
     raise ConfigError(f'config.data.path: {path}: record datasets are read by ArrayRecord, which '
                       'opens local files only; mount the bucket on every host with gcsfuse '
                       '(gcsfuse --implicit-dirs BUCKET /mnt/BUCKET) and give the mounted path')
-  meta = dataset.read_metadata(path, FORMAT, (VERSION,), 'images')
+  meta = dataset.read_metadata(path, FORMAT, (1, VERSION), 'images')
+  meta.setdefault('encoding', 'file')  # Version 1 kept files.
   for split in SPLITS:
     for shard in meta['splits'][split]['shards']:
       file = os.path.join(path, shard['file'])
@@ -278,6 +304,7 @@ class Reader:
     self.mean = np.asarray(meta['mean'], np.float32)
     self.std = np.asarray(meta['std'], np.float32)
     self.augment = tuple(augment)
+    self.pixels = meta.get('encoding') == 'pixels'
     self.records_read = 0
     self._source = None
 
@@ -289,8 +316,13 @@ class Reader:
     return f'record {index - self.starts[shard]} of {self.files[shard]}'
 
   def _decode(self, index: int, record: bytes) -> np.ndarray:
-    from PIL import Image  # pylint: disable=import-outside-toplevel
     h, w, c = self.shape
+    if self.pixels:
+      if len(record) != 4 + h * w * c:
+        raise ConfigError(f'config.data.path: {self._where(index)} holds {len(record) - 4} bytes '
+                          f'of pixels, not {h}x{w}x{c}; prepare the dataset again')
+      return np.frombuffer(record, np.uint8, offset=4).reshape(h, w, c)
+    from PIL import Image  # pylint: disable=import-outside-toplevel
     try:
       with Image.open(io.BytesIO(record[4:])) as image:
         return np.asarray(image.convert('L' if c == 1 else 'RGB'), np.uint8).reshape(h, w, c)
