@@ -62,11 +62,11 @@ def get_config(arg=None):
   c.optimizer.warmup_steps = 50
   c.optimizer.weight_decay = 0.1
   c.optimizer.b2 = 0.99
-  c.eval.every_steps = 200
+  c.eval.every_steps = 100          # The multiple-choice task's rise, every 100 steps.
   c.eval.batch_size = 64
   c.eval.max_batches = 0         # The whole validation split.
   c.eval.sample_temperature = 0.8
-  c.eval.choice_tasks = ('numpy_next_line',)  # Pick NumPy's next line of code of 4 choices.
+  c.eval.choice_tasks = ('numpy_line_order',)  # NumPy's real line among 3 word shuffles.
   c.checkpoint.every_steps = 200
   if 'mixture' in variants:  # Code and prose, each evaluated on its own.
     c.data.path = ''

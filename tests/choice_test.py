@@ -59,10 +59,10 @@ def test_each_choice_scores_its_log_likelihood_given_the_context(paths, shape, d
   t.run(20)
   task = choice.load(paths['task'], t.dataset.encode, SEQ, t.dataset.eos_id)
   with_task = dataclasses.replace(t.setup, choice_tasks=(task,))  # As setup.checked loads it.
-  got = train.evaluate(t.eval_step, t.state, with_task, t.setup.jit_choice_step())
+  got = train.evaluate(t.eval_step, t.state, with_task, t.setup.jit_score_step())
   with t.scope():
-    logliks = np.concatenate([np.asarray(t.setup.jit_choice_step()(
-        t.state, feed.to_global(batch, t.setup.batch_sharding, 16)))
+    logliks = np.concatenate([np.asarray(t.setup.jit_score_step()(
+        t.state.params, feed.to_global(batch, t.setup.batch_sharding, 16))['loglik'])
         for batch in choice.batches(task, 16, slice(None))])
   want, row = [], 0
   for item in ITEMS:
@@ -112,7 +112,7 @@ def test_items_that_do_not_fit_are_left_out_and_none_left_is_an_error(paths, tmp
     (['{"context": "a", "choices": ["b", "c"], "answer": 2}'], r'line 1: expected'),
     (['{"context": 1, "choices": ["b", "c"], "answer": 0}'], r'line 1: expected'),
     ([], r'has no items'),
-    (None, r'is not a file; give a JSON Lines task file or one of numpy_next_line'),
+    (None, r'is not a file; give a JSON Lines task file or one of numpy_line_order'),
 ])
 def test_bad_task_files_are_one_line_naming_file_and_line(paths, tmp_path, lines, message):
   task = tmp_path / 'bad.jsonl'
@@ -126,16 +126,19 @@ def test_bad_task_files_are_one_line_naming_file_and_line(paths, tmp_path, lines
 
 
 def test_choice_tasks_need_a_tokenizer(tmp_path):
-  config = load_config('mlp_digits', **{'eval.choice_tasks': ('numpy_next_line',)})
+  config = load_config('mlp_digits', **{'eval.choice_tasks': ('numpy_line_order',)})
   with pytest.raises(ZooError, match=r'config\.eval\.choice_tasks: multiple-choice tasks score '
                                      r"text, but 'digits' data has no tokenizer"):
     setup_lib.checked(config)
 
 
 def test_the_shipped_task_is_well_formed():
-  items = choice.read_items(choice.BUILTIN['numpy_next_line'])
+  items = choice.read_items(choice.BUILTIN['numpy_line_order'])
   assert len(items) == 200 and all(len(i['choices']) == 4 for i in items)
-  assert all(len(set(c.strip() for c in i['choices'])) == 4 for i in items)  # Distinct choices.
+  for i in items:  # Four distinct orders of the same words, with the same indentation.
+    choices = i['choices']
+    assert len(set(choices)) == 4 and len({tuple(sorted(c.split())) for c in choices}) == 1
+    assert len({c[:len(c) - len(c.lstrip())] for c in choices}) == 1
   answers = np.bincount([i['answer'] for i in items], minlength=4)
   assert answers.min() > 30  # The answer's place is drawn uniformly.
   assert len({i['context'] for i in items}) == 200

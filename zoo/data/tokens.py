@@ -296,8 +296,10 @@ def tokenizer_dataset(path: str, vocab_size: int, seq_len: int) -> Dataset:
     return {'inputs': np.zeros((size, seq_len), np.int32),
             'targets': np.zeros((size, seq_len), np.int32)}
 
+  eos = tokenizer_lib.eos_id(tokenizer)
   return Dataset(task='lm', model_fields={'vocab_size': vocab_size}, train_batch=train_batch,
                  eval_batches=lambda global_batch_size, rows: iter(()), num_train=0,
+                 eos_id=eos if eos >= 0 else None,
                  decode=lambda ids: tokenizer.decode([int(i) for i in ids],
                                                      skip_special_tokens=False),
                  encode=lambda text: np.array(tokenizer.encode(text, add_special_tokens=False).ids,

@@ -217,7 +217,7 @@ def _validate_run(config):
   tasks_ = config.eval.get('choice_tasks', ())
   if isinstance(tasks_, str) or not all(isinstance(t, str) and t for t in tasks_):
     fail('eval.choice_tasks', f'must be a tuple of task files or names, e.g. '
-         f"('numpy_next_line',), got {tasks_!r}")
+         f"('numpy_line_order',), got {tasks_!r}")
   if len({choice.name_of(t) for t in tasks_}) != len(tasks_):
     fail('eval.choice_tasks', f'{tasks_!r} names a task twice; give each once (a task is named '
          'by its file name)')

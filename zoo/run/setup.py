@@ -86,11 +86,13 @@ class Setup:
     return jax.jit(functools.partial(steps.eval_step, task=self.task),
                    in_shardings=(self.state_shardings, self.batch_sharding))
 
-  def jit_choice_step(self) -> Callable[[steps.TrainState, dict], jax.Array]:
-    """(state, batch) -> each row's log-likelihood of its choice, on every process."""
+  def jit_score_step(self) -> Callable[[Any, dict], dict]:
+    """(params, batch) -> each row's log-likelihood of its masked targets and whether they
+    are all the likeliest tokens (steps.score_step), on every process."""
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    return jax.jit(functools.partial(steps.choice_step, task=self.task),
-                   in_shardings=(self.state_shardings, self.batch_sharding),
+    return jax.jit(functools.partial(steps.score_step, apply_fn=self.model.apply,
+                                     task=self.task),
+                   in_shardings=(self.state_shardings.params, self.batch_sharding),
                    out_shardings=replicated)
 
   def jit_check_state(self) -> Callable[[steps.TrainState], dict]:

@@ -140,14 +140,17 @@ def eval_step(state: TrainState, batch: dict, task: Task) -> dict:
   return sums
 
 
-def choice_step(state: TrainState, batch: dict, task: Task) -> jax.Array:
-  """Each row's log-likelihood of its targets where `mask` is 1 (a multiple-choice task's
-  choice given its context, zoo.data.choice): [B], float32."""
-  logits = state.apply_fn({'params': state.params, **state.model_state},
-                          *task.model_inputs(batch), **task.model_keywords(batch)
-                          ).astype(jnp.float32)
+def score_step(params: Any, batch: dict, apply_fn: Callable, task: Task) -> dict:
+  """Each row's log-likelihood of its targets where `mask` is 1, and whether each of those
+  targets is the likeliest token: how a multiple-choice task's choices (zoo.data.choice)
+  and lm-evaluation-harness's requests (zoo.run.harness) are scored. {'loglik': [B]
+  float32, 'greedy': [B] bool}."""
+  logits = apply_fn({'params': params}, *task.model_inputs(batch),
+                    **task.model_keywords(batch)).astype(jnp.float32)
   losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
-  return -(losses * batch['mask']).sum(axis=-1)
+  mask = batch['mask']
+  greedy = ((jnp.argmax(logits, axis=-1) == batch['targets']) | (mask == 0)).all(axis=-1)
+  return {'loglik': -(losses * mask).sum(axis=-1), 'greedy': greedy}
 
 
 def check_state(state: TrainState) -> dict:

@@ -119,7 +119,7 @@ def evaluate(eval_step: Callable, state: steps.TrainState, setup: setup_lib.Setu
   """The task's metrics over the eval split (or its first eval.max_batches batches); for
   a dataset in parts (a mixture's sources), over each part (`eval/<part>/...`, its first
   eval.max_batches) and over all of them together (`eval/...`); then, with `choice_step`
-  (Setup.jit_choice_step), each multiple-choice task's `eval/<task>/acc` and `acc_norm`."""
+  (Setup.jit_score_step), each multiple-choice task's `eval/<task>/acc` and `acc_norm`."""
   dataset, config = setup.dataset, setup.config
   parts = dataset.eval_sources or {'': dataset.eval_batches}
   result, total = {}, None
@@ -138,8 +138,8 @@ def evaluate(eval_step: Callable, state: steps.TrainState, setup: setup_lib.Setu
   for task in setup.choice_tasks if choice_step else ():
     size = config.eval.batch_size
     rows = feed.process_rows(setup.batch_sharding, size)
-    logliks = [np.asarray(choice_step(state, feed.to_global(local, setup.batch_sharding, size)))
-               for local in choice.batches(task, size, rows)]
+    logliks = [np.asarray(choice_step(state.params, feed.to_global(
+        local, setup.batch_sharding, size))['loglik']) for local in choice.batches(task, size, rows)]
     result.update(choice.metrics(task, np.concatenate(logliks)))
   return result
 
@@ -196,7 +196,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> step
     stop = checkpoint.StopRequest(manager)  # A SIGTERM from here on saves a step and exits.
     cleanup.callback(stop.close)
     train_step, check_step, eval_step, cost = compile_steps(setup, state)
-    choice_step = setup.jit_choice_step() if setup.choice_tasks else None
+    choice_step = setup.jit_score_step() if setup.choice_tasks else None
     if is_main:
       metrics.write_json(workdir, 'model_info.json', {
           'mesh': dict(mesh.shape),

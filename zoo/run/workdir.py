@@ -50,7 +50,7 @@ def load_run(workdir: str, require_lm: bool = True) -> tuple[ml_collections.Conf
   if require_lm and (name not in models.MODELS
                      or models.MODELS[name].task != tasks.LanguageModel.name):
     raise ConfigError(f'--workdir: {workdir} trained model {name!r}, not a language model; '
-                      'sampling needs a transformer_lm run')
+                      'give a transformer_lm run')
   if config.data.get('path') and not storage.path(config.data.path).exists():
     raise ConfigError(f'--workdir: the run trained on data.path={config.data.path}, not found from '
                       f'{os.getcwd()}; run from the directory that training ran in')
