@@ -73,7 +73,8 @@ def test_every_command_the_docs_name_answers_help():
   programs = sorted({' '.join(shlex.split(c)[1:3] if shlex.split(c)[1] == '-m'
                               else shlex.split(c)[1:2]) for c in _all_commands()})
   assert '-m zoo.main' in programs and '-m zoo.convert' in programs, programs
-  assert all(p in ('-m zoo.main', '-m zoo.sample', '-m zoo.convert', '-m zoo.prepare')
+  assert all(p in ('-m zoo.main', '-m zoo.sample', '-m zoo.convert', '-m zoo.prepare',
+                   '-m zoo.evaluate')
              or p.startswith('launch/') for p in programs), programs
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   for program in (p for p in programs if p.startswith('launch/')):  # zoo.*: shell_test.py.

@@ -37,8 +37,17 @@ def inputs(tmp_path_factory):
   corpus.write_text(''.join(json.dumps({'text': f'document {i}: a few words ' * 3}) + '\n'
                             for i in range(200)))
   _images(root / 'images', sizes=((8, 8),) * 3, classes=('a', 'b'))
+  (root / 'tasks').mkdir()  # A harness task over a local file (zoo.evaluate).
+  (root / 'tasks' / 'items.jsonl').write_text(''.join(json.dumps(
+      {'context': f'document {i}:', 'choices': [' a few', ' words'], 'answer': i % 2}) + '\n'
+      for i in range(4)))
+  (root / 'tasks' / 'fuzz_choice.yaml').write_text(
+      'task: fuzz_choice\ndataset_path: json\ndataset_kwargs:\n  data_files:\n'
+      f'    test: {root}/tasks/items.jsonl\ntest_split: test\noutput_type: multiple_choice\n'
+      'doc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: "{{answer}}"\n'
+      'metric_list:\n  - metric: acc\n')
   return {'run': str(root / 'run'), 'hf': str(root / 'hf'), 'corpus': str(corpus),
-          'images': str(root / 'images'), 'out': str(root / 'out')}
+          'images': str(root / 'images'), 'out': str(root / 'out'), 'tasks': str(root / 'tasks')}
 
 
 # Each command: its module, the arguments of a cheap run that succeeds, and what a flag
@@ -53,6 +62,9 @@ COMMANDS = {
                                      '--val_fraction=0.1', '--vocab_size=300', '--tokenizer=bpe'],
                      {}),
     'prepare images': ('zoo.prepare', ['images', '--input={images}', '--output={out}'], {}),
+    'evaluate': ('zoo.evaluate', ['--workdir={run}', '--tasks=fuzz_choice',
+                                  '--include_path={tasks}', '--batch_size=2'],
+                 {'log_samples': ['--output={out}']}),
 }
 
 

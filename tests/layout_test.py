@@ -7,7 +7,7 @@ from conftest import REPO
 
 # Top to bottom: a part may import the parts below it, never one above.
 PARTS = ('commands', 'shell', 'hf', 'run', 'data', 'store', 'models', 'parallel', 'errors')
-COMMANDS = ('main', 'prepare', 'sample', 'convert')
+COMMANDS = ('main', 'prepare', 'sample', 'convert', 'evaluate')
 
 
 def _modules() -> dict[str, str]:

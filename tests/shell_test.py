@@ -10,7 +10,8 @@ import pytest
 from conftest import REPO, experiment, run_cli
 
 COMMANDS = {'zoo.main': '--cpu_devices', 'zoo.sample': '--cpu_devices',
-            'zoo.convert': '--cpu_devices', 'zoo.prepare': 'log_libraries'}
+            'zoo.convert': '--cpu_devices', 'zoo.prepare': 'log_libraries',
+            'zoo.evaluate': '--cpu_devices'}
 
 
 def _run(module, *args, timeout=120):
