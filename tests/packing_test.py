@@ -167,3 +167,27 @@ def test_the_loss_is_the_mean_over_counted_targets_across_microbatches(packed_di
   for a, b in zip(jax.tree.leaves(accumulated.state.params), jax.tree.leaves(big.state.params)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   assert accumulated.metrics[0]['train/loss'] == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.skipif(not __import__('importlib').util.find_spec('jax_cuda12_plugin'),
+                    reason="needs JAX's CUDA plugin ('.[cuda12]') to compile for a GPU target")
+def test_cudnn_compiles_the_segment_mask_into_its_fused_attention(packed_dir):
+  """On an H100 target (compile only), packed windows take cuDNN's fused attention with
+  the segment mask as its bias; stream windows take it without one."""
+  from conftest import load_config  # pylint: disable=import-outside-toplevel
+  from zoo.parallel import topology  # pylint: disable=import-outside-toplevel
+  from zoo.run import setup as setup_lib  # pylint: disable=import-outside-toplevel
+  devices = topology.devices(topology.parse('h100-8'))
+  targets = {}
+  for windows in ('documents', 'stream'):
+    config = load_config('char_lm', **{'data.name': 'tokens', 'data.path': packed_dir,
+                                       'data.windows': windows, 'model.attention': 'cudnn',
+                                       'model.dtype': 'bfloat16', 'mesh.shape': (8, 1)})
+    s = setup_lib.checked(config, devices, plan=True)
+    with s.scope():
+      text = s.jit_train_step().lower(s.abstract_state(), s.batch).compile().as_text()
+    targets[windows] = {line.split('custom_call_target="')[1].split('"')[0]
+                        for line in text.splitlines() if 'custom_call_target="__cudnn$fmha' in line}
+  assert targets['documents'] == {'__cudnn$fmhaScaleBiasSoftmax',
+                                  '__cudnn$fmhaScaleBiasSoftmaxBackward'}, targets
+  assert targets['stream'] == {'__cudnn$fmhaSoftmax', '__cudnn$fmhaSoftmaxBackward'}, targets
