@@ -8,9 +8,12 @@ Prints one table per part and writes them all as JSON:
   reads      a 2-process run (launch/local.py, 4 CPU devices each) on a token dataset: the
              training examples each process read (its log line) against the global batch
              size, and the largest relative loss difference to the same run in 1 process
-  stalls     perf/data_wait_s over perf/step_time_s, from metrics.jsonl, one CPU device: the
-             BPE LM (experiments/bpe_lm.py, needs --stdlib_bpe), and the digits CNN (0 and 2
-             workers), ResNet and ViT on records with crop+flip (goal <= 2%)
+  stalls     perf/data_wait_s over perf/step_time_s, from metrics.jsonl, one CPU device:
+             every experiment (its full config, 100-400 steps; bpe_lm needs --stdlib_bpe,
+             its mixture --topics_bpe too), and the digits CNN (pixels, and PNG files with 0
+             and 2 workers), ResNet and ViT on records with crop+flip (goal <= 2%)
+  packing    host tokens/s of building train batches from --stdlib_bpe: packed documents
+             and a two-source mixture against the plain stream windows
   images     decode+augment throughput of the record pipeline alone, images/s per host,
              0 and 2 workers: the 8x8 digits, and generated 128x128 JPEGs
   prepare    tokens/s of zoo.tokens.prepare on the standard library's source with the
@@ -129,37 +132,81 @@ def _wait_fraction(workdir):
   return wait, step
 
 
-def digits_records(root):
-  path = os.path.join(root, 'digits_records')
-  if not os.path.isdir(path):
+def digits_records(root, store='auto'):
+  """The digits as 8x8 PNGs, prepared as records: pixels (--store=auto) or the PNG files."""
+  path = os.path.join(root, f'digits_records_{store}')
+  if not os.path.isdir(os.path.join(root, 'digits_png')):
     from zoo.data import digits  # pylint: disable=import-outside-toplevel
     digits.write_image_folder(os.path.join(root, 'digits_png'))
-    subprocess.run([sys.executable, '-m', 'zoo.prepare', 'images',
-                    f'--input={root}/digits_png', f'--output={path}'], cwd=ROOT, check=True,
+  if not os.path.isdir(path):
+    subprocess.run([sys.executable, '-m', 'zoo.prepare', 'images', f'--input={root}/digits_png',
+                    f'--output={path}', f'--store={store}'], cwd=ROOT, check=True,
                    capture_output=True)
   return path
 
 
-def stalls(root, stdlib_bpe):
-  rows = []
-  runs = []
+def stalls(root, stdlib_bpe, topics_bpe, only=''):
+  """Every experiment's data wait (its full config, fewer steps but for the digits MLP and
+  CNN, whose millisecond steps show a busy host's bursts), and the image models on records
+  with crop+flip, pixels and PNG files. `only`: runs whose label starts with one of these
+  (comma-separated)."""
+  runs = [(name, [f'--config={EXPERIMENTS}/{name}.py', f'--config.train.steps={steps}'])
+          for name, steps in (('mlp_digits', 1000), ('cnn_digits', 1000), ('resnet_digits', 200),
+                              ('vit_digits', 200), ('char_lm', 100), ('seq_sort', 200))]
   if stdlib_bpe:
-    runs.append(('bpe_lm (stdlib BPE), batch 32', [f'--config={EXPERIMENTS}/bpe_lm.py',
-                                                   f'--config.data.path={stdlib_bpe}',
-                                                   '--config.train.steps=120']))
-  path = digits_records(root)
-  for name, workers, steps in (('cnn_digits', 0, 400), ('cnn_digits', 2, 400),
-                               ('resnet_digits', 0, 200), ('vit_digits', 0, 200)):
-    runs.append((f'{name} on records, crop+flip, batch 128, {workers} workers',
+    runs.append(('bpe_lm (packed documents)', [f'--config={EXPERIMENTS}/bpe_lm.py',
+                                               f'--config.data.path={stdlib_bpe}',
+                                               '--config.train.steps=100']))
+  if stdlib_bpe and topics_bpe:
+    runs.append(('bpe_lm:mixture (code 0.8, docs 0.2)', [
+        f'--config={EXPERIMENTS}/bpe_lm.py:mixture', f'--config.data.sources.code={stdlib_bpe}',
+        f'--config.data.sources.docs={topics_bpe}', '--config.train.steps=100']))
+  for name, store, workers, steps in (('cnn_digits', 'auto', 0, 400), ('cnn_digits', 'file', 0, 400),
+                                      ('cnn_digits', 'file', 2, 400), ('resnet_digits', 'auto', 0, 200),
+                                      ('vit_digits', 'auto', 0, 200)):
+    runs.append((f'{name} on records ({"pixels" if store == "auto" else "PNG files"}), crop+flip, '
+                 f'{workers} workers',
                  [f'--config={EXPERIMENTS}/{name}.py', '--config.data.name=records',
-                  f'--config.data.path={path}', '--config.data.augment=crop,flip',
-                  f'--config.data.workers={workers}', f'--config.train.steps={steps}']))
+                  f'--config.data.path={digits_records(root, store)}',
+                  '--config.data.augment=crop,flip', f'--config.data.workers={workers}',
+                  f'--config.train.steps={steps}']))
+  rows = []
   for label, args in runs:
+    if only and not any(label.startswith(o) for o in only.split(',')):
+      continue
     workdir = os.path.join(root, f'stall_{len(rows)}')
     _zoo([*args, '--cpu_devices=1', '--config.mesh.shape=(1,1)', '--config.train.log_every_steps=20',
           '--config.eval.every_steps=100000', '--config.checkpoint.every_steps=100000'], workdir)
     wait, step = _wait_fraction(workdir)
     rows.append({'run': label, 'data_wait_s': wait, 'step_time_s': step, 'wait_fraction': wait / step})
+  return rows
+
+
+def packing(stdlib_bpe, topics_bpe, steps=200, batch=32, seq_len=128):
+  """Host tokens/s of building this process's train batches (read, pack, mix), one thread:
+  packed documents and a two-source mixture against the plain stream windows."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from zoo import data  # pylint: disable=import-outside-toplevel
+  configs = [('stream windows (data.windows=stream)', {'path': stdlib_bpe, 'windows': 'stream'}),
+             ('packed documents (the default)', {'path': stdlib_bpe, 'windows': 'documents'})]
+  if topics_bpe:
+    configs.append(('packed, mixture code 0.8 / docs 0.2', {
+        'path': '', 'windows': 'documents', 'sources': {'code': stdlib_bpe, 'docs': topics_bpe},
+        'weights': {'code': 0.8, 'docs': 0.2}}))
+  rows, base = [], None
+  for label, fields in configs:
+    config = ml_collections.ConfigDict({'name': 'tokens', 'seq_len': seq_len, **fields})
+    t0 = time.perf_counter()
+    dataset = data.load(config, 0)
+    load_s = time.perf_counter() - t0
+    dataset.train_batch(0, batch, slice(None))
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+      dataset.train_batch(step, batch, slice(None))
+    rate = steps * batch * seq_len / (time.perf_counter() - t0)
+    base = base or rate
+    rows.append({'reader': label, 'tokens_per_s': rate, 'vs_stream': rate / base,
+                 'load_s': load_s})
   return rows
 
 
@@ -183,7 +230,8 @@ def images(root):
     subprocess.run([sys.executable, '-m', 'zoo.prepare', 'images', f'--input={jpeg_root}',
                     f'--output={jpeg_path}'], cwd=ROOT, check=True, capture_output=True)
   rows = []
-  for label, path, batch, steps in (('digits 8x8 PNG', digits_records(root), 128, 100),
+  for label, path, batch, steps in (('digits 8x8 pixels', digits_records(root), 128, 100),
+                                    ('digits 8x8 PNG', digits_records(root, 'file'), 128, 100),
                                     ('128x128 JPEG', jpeg_path, 64, 40)):
     for workers in (0, 2):
       config = ml_collections.ConfigDict({'name': 'records', 'path': path, 'augment': 'crop,flip',
@@ -243,15 +291,23 @@ def main():
   parser.add_argument('--big_gb', type=float, default=4.0)
   parser.add_argument('--stdlib_bpe', default='data/stdlib_bpe',
                       help="the BPE LM's dataset (see experiments/bpe_lm.py); '' skips its parts")
-  parser.add_argument('--skip', default='', help='comma-separated: memory,reads,stalls,images,prepare')
+  parser.add_argument('--topics_bpe', default='data/topics_bpe',
+                      help="the Python docs in the stdlib BPE (experiments/bpe_lm.py:mixture)")
+  parser.add_argument('--stalls_only', default='',
+                      help='stalls: only the runs whose label starts with one of these')
+  parser.add_argument('--skip', default='',
+                      help='comma-separated: memory,reads,stalls,packing,images,prepare')
   parser.add_argument('--root', default='', help='scratch directory (default: a temporary one)')
   args = parser.parse_args()
   skip = set(filter(None, args.skip.split(',')))
   stdlib_bpe = args.stdlib_bpe if args.stdlib_bpe and os.path.isdir(args.stdlib_bpe) else ''
+  topics_bpe = args.topics_bpe if args.topics_bpe and os.path.isdir(args.topics_bpe) else ''
   results = {'machine': {'cpus': os.cpu_count()}}
   with tempfile.TemporaryDirectory(dir=args.root or None) as root:
     for name, fn in (('memory', lambda: memory(root, args.big_gb)), ('reads', lambda: reads(root)),
-                     ('stalls', lambda: stalls(root, stdlib_bpe)), ('images', lambda: images(root)),
+                     ('stalls', lambda: stalls(root, stdlib_bpe, topics_bpe, args.stalls_only)),
+                     ('packing', lambda: packing(stdlib_bpe, topics_bpe) if stdlib_bpe else None),
+                     ('images', lambda: images(root)),
                      ('prepare', lambda: prepare(root, stdlib_bpe) if stdlib_bpe else None)):
       if name in skip:
         continue

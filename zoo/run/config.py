@@ -34,7 +34,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()    # name + the loader's options.
   c.data.name = 'digits'
   c.data.path = ''                        # text: a UTF-8 file (empty: bundled); npz: required.
-  c.data.prefetch = 2                     # Train batches built and put on devices ahead (0: none).
+  c.data.prefetch = 4                     # Train batches built and put on devices ahead (0: none).
   c.data.augment = ''                     # records: 'crop', 'flip' or 'crop,flip'; '': none.
   c.data.workers = 0                      # records: decoding processes (0: the prefetch thread).
   c.data.windows = 'documents'            # tokens: packed documents, or 'stream' (zoo.data.tokens).

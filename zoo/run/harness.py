@@ -215,17 +215,24 @@ class ZooLM(TemplateLM):
     return texts
 
 
+@functools.lru_cache(maxsize=4)
+def _task_manager(include_path: str) -> Any:
+  """The harness's index of its tasks and those under `include_path`: built once per
+  process (it reads every task YAML the harness ships, seconds)."""
+  from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
+  return TaskManager(include_path=include_path or None)
+
+
 def evaluate(workdir: str, tasks: list[str], include_path: str = '', limit: Optional[float] = None,
              num_fewshot: Optional[int] = None, batch_size: int = 16, mesh_shape: str = '',
              max_gen_toks: int = 256, seed: int = 0, log_samples: bool = False) -> dict:
   """lm_eval.simple_evaluate of `tasks` (names, or tasks defined in YAML files under
   `include_path`) on the run in `workdir`; the harness's results dict."""
   import lm_eval  # pylint: disable=import-outside-toplevel
-  from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
   if include_path and not os.path.isdir(include_path):
     raise ConfigError(f'--include_path: {include_path} is not a directory; give the directory '
                       'of your task YAML files')
-  manager = TaskManager(include_path=include_path or None)
+  manager = _task_manager(os.path.abspath(include_path) if include_path else '')
   unknown = [t for t in tasks if t not in manager.all_tasks]
   if unknown:
     raise ConfigError(f'--tasks: unknown {", ".join(unknown)}, among the harness\'s tasks and '
