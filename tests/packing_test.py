@@ -98,15 +98,17 @@ def test_packed_per_document_losses_equal_each_document_alone(packed_dir, positi
   with t.scope():
     packed = np.asarray(jax.jit(lambda b: token_losses(
         b['inputs'], b['targets'], segments_BL=b['segments'], positions_BL=b['positions']))(batch))
-    alone_fn = jax.jit(token_losses)
-    compared = 0
-    for row in range(len(batch['inputs'])):
-      for segment in range(1, batch['segments'][row].max() + 1):
-        where = batch['segments'][row] == segment
-        alone = np.asarray(alone_fn(batch['inputs'][row][where][None],
-                                    batch['targets'][row][where][None]))[0]
-        np.testing.assert_allclose(packed[row][where].sum(), alone.sum(), rtol=1e-5, atol=1e-5)
-        compared += 1
+  alone_fn = jax.jit(token_losses)  # One document per row from position 0, zeros after it
+  compared = 0                      # (which a causal model does not see).
+  for row in range(len(batch['inputs'])):
+    for segment in range(1, batch['segments'][row].max() + 1):
+      where = batch['segments'][row] == segment
+      inputs, targets = np.zeros((2, 1, SEQ), np.int32)
+      inputs[0, :where.sum()] = batch['inputs'][row][where]
+      targets[0, :where.sum()] = batch['targets'][row][where]
+      alone = np.asarray(alone_fn(inputs, targets))[0, :where.sum()]
+      np.testing.assert_allclose(packed[row][where].sum(), alone.sum(), rtol=1e-5, atol=1e-5)
+      compared += 1
   assert compared > 16 * 1.5  # Rows hold several documents.
   with t.scope():  # Without its segments, a row's later documents see the earlier ones.
     crossed = np.asarray(jax.jit(lambda b: token_losses(b['inputs'], b['targets']))(batch))
