@@ -60,22 +60,34 @@ def _zoo(args, workdir):
 
 
 def generate_tokens(directory, gigabytes, seed=0):
-  """A token dataset of random byte tokens (the bytes tokenizer), written shard by shard."""
+  """A token dataset of random byte tokens (the bytes tokenizer), written shard by shard, in
+  documents of 64 to 2,047 tokens each ended by the end-of-document token (the document
+  index that packed windows read)."""
   os.makedirs(directory, exist_ok=True)
   tokenizer = tokenizer_lib.bytes_tokenizer()
   total = int(gigabytes * 2**30) // 2
   writers = {s: tokens.ShardWriter(directory, s, np.dtype('<u2'), 2**28) for s in tokens.SPLITS}
   rng = np.random.default_rng(seed)
   sizes = {'train': total - total // 100, 'val': total // 100}
+  documents = {}
   for split, size in sizes.items():
+    lengths = rng.integers(64, 2048, size=size // 64 + 1)
+    ends = np.cumsum(lengths)
+    ends = np.append(ends[ends < size], size)
+    documents[split] = len(ends)
+    np.save(os.path.join(directory, f'{split}-documents.npy'), ends.astype(np.int64))
     for start in range(0, size, 2**26):
-      writers[split].write(rng.integers(0, 257, size=min(2**26, size - start), dtype=np.uint16))
+      chunk = rng.integers(0, 256, size=min(2**26, size - start), dtype=np.uint16)
+      last = ends[(ends > start) & (ends <= start + len(chunk))] - 1 - start
+      chunk[last] = 256  # Each document's last token.
+      writers[split].write(chunk)
   tokenizer.save(os.path.join(directory, 'tokenizer.json'))
   np.save(os.path.join(directory, 'token_bytes.npy'), tokenizer_lib.token_bytes(tokenizer))
   meta = {'format': tokens.FORMAT, 'version': tokens.VERSION, 'vocab_size': 257, 'dtype': '<u2',
           'eos_id': 256, 'tokenizer': {'file': 'tokenizer.json'}, 'token_bytes': 'token_bytes.npy',
-          'splits': {s: {'tokens': sizes[s], 'documents': 1, 'bytes': sizes[s],
-                         'shards': writers[s].close()} for s in tokens.SPLITS}}
+          'splits': {s: {'tokens': sizes[s], 'documents': documents[s], 'bytes': sizes[s],
+                         'shards': writers[s].close(), 'documents_file': f'{s}-documents.npy'}
+                     for s in tokens.SPLITS}}
   with open(os.path.join(directory, tokens.METADATA), 'w', encoding='utf-8') as f:
     json.dump(meta, f)
 

@@ -20,22 +20,31 @@ DOCUMENTS = [f'Document {i}. ' + 'Pack my box with five dozen liquor jugs. ' * (
 
 @pytest.fixture(scope='module')
 def datasets(tmp_path_factory):
-  """A byte-token dataset and a digits record dataset."""
+  """A byte-token dataset, a two-source mixture of token datasets (the small source crosses
+  its epochs within the run) and a digits record dataset: (experiment, its arg, data flags)."""
   root = tmp_path_factory.mktemp('datasets')
-  with open(root / 'docs.jsonl', 'w', encoding='utf-8') as f:
-    f.writelines(json.dumps({'text': d}) + '\n' for d in DOCUMENTS)
+  for name, docs in (('docs', DOCUMENTS), ('few', DOCUMENTS[:6])):
+    with open(root / f'{name}.jsonl', 'w', encoding='utf-8') as f:
+      f.writelines(json.dumps({'text': d}) + '\n' for d in docs)
   digits.write_image_folder(str(root / 'png'))
   for args in (['text', f'--input={root}/docs.jsonl', f'--output={root}/tokens',
+                '--val_fraction=0.2'],
+               ['text', f'--input={root}/few.jsonl', f'--output={root}/few',
                 '--val_fraction=0.2'],
                ['images', f'--input={root}/png', f'--output={root}/records']):
     result = subprocess.run([sys.executable, '-m', 'zoo.prepare', *args], cwd=REPO,
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
-  return {'tokens': ('char_lm', str(root / 'tokens')), 'records': ('cnn_digits', str(root / 'records'))}
+  return {'tokens': ('char_lm', 'smoke', {'data.name': 'tokens', 'data.path': f'{root}/tokens'}),
+          'mixture': ('bpe_lm', 'smoke,mixture', {'data.sources.code': f'{root}/tokens',
+                                                  'data.sources.docs': f'{root}/few',
+                                                  'data.weights.docs': 0.8}),
+          'records': ('cnn_digits', 'smoke', {'data.name': 'records',
+                                              'data.path': f'{root}/records'})}
 
 
-def _flags(name, path):
-  return {'data.name': name, 'data.path': path, 'train.steps': 2 * STEPS, 'train.log_every_steps': 1,
+def _flags(data_flags):
+  return {**data_flags, 'train.steps': 2 * STEPS, 'train.log_every_steps': 1,
           'eval.every_steps': 2 * STEPS, 'checkpoint.every_steps': STEPS, 'mesh.shape': '(4,2)'}
 
 
@@ -43,15 +52,15 @@ def _rows(workdir):
   return [{k: v for k, v in r.items() if not k.startswith('perf/')} for r in read_metrics(workdir)]
 
 
-@pytest.mark.parametrize('name', ['tokens', 'records'])
+@pytest.mark.parametrize('name', ['tokens', 'mixture', 'records'])
 def test_two_processes_read_half_each_and_resume_in_one(name, datasets, tmp_path, devices):
   del devices
-  experiment_name, path = datasets[name]
-  flags = _flags(name, path)
+  experiment_name, arg, data_flags = datasets[name]
+  flags = _flags(data_flags)
   reference = str(tmp_path / 'one')
-  train.train_and_evaluate(load_config(experiment_name, **{
+  train.train_and_evaluate(load_config(experiment_name, arg, **{
       **flags, 'mesh.shape': (4, 2)}), reference)
-  args = [f'--config={experiment(experiment_name)}:smoke',
+  args = [f'--config={experiment(experiment_name)}:{arg}',
           *(f'--config.{k}={v}' for k, v in flags.items())]
   workdir = tmp_path / 'two'
   result = subprocess.run(
@@ -59,11 +68,16 @@ def test_two_processes_read_half_each_and_resume_in_one(name, datasets, tmp_path
        '--heartbeat_timeout=30', '--', *args, f'--workdir={workdir}'],
       cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
   assert result.returncode == 0, result.stdout[-3000:]
-  batch = load_config(experiment_name).train.batch_size
+  batch = load_config(experiment_name, arg).train.batch_size
   for i in (0, 1):  # Each process read its half of every step's batch, and no more.
     read = re.search(rf'\[process {i}\] .*process {i} read (\d+) training examples for '
                      rf'{2 * STEPS} steps', result.stdout)
     assert read and int(read.group(1)) == 2 * STEPS * batch // 2, result.stdout[-3000:]
+  if name == 'mixture':  # The small source went round more than once: epochs cross in it.
+    assert re.search(r'few: train split: \d+ documents packed into (\d+) windows', result.stdout)
+    windows = int(re.search(r'few: train split: \d+ documents packed into (\d+) windows',
+                            result.stdout).group(1))
+    assert 2 * STEPS * batch * 0.8 > 1.5 * windows, windows
   assert _close(_rows(str(workdir)), _rows(reference))  # 2 processes compute what 1 does.
   # Keep the 2 processes' checkpoint at STEPS; one process resumes from it.
   shutil.rmtree(workdir / 'checkpoints' / str(2 * STEPS))

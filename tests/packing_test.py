@@ -51,6 +51,23 @@ def test_the_plan_tiles_the_targets_and_splits_only_long_documents():
   assert 0 < packing.padding(starts, SEQ) < 0.3
 
 
+def test_epochs_are_permutations_and_batches_cross_them_whole():
+  """Positions across several epochs: each epoch visits every window once, its order drawn
+  from (seed, epoch); a batch that straddles two epochs takes the end of one and the start
+  of the next, and any grouping of the positions (rows per process, resumed steps) reads
+  the same windows."""
+  order = packing.EpochOrder(13, (7,))
+  seen = order(np.arange(13 * 4))
+  for epoch in range(4):
+    assert sorted(seen[13 * epoch:13 * (epoch + 1)]) == list(range(13))
+  assert not np.array_equal(seen[:13], seen[13:26])  # Each epoch its own permutation.
+  again = packing.EpochOrder(13, (7,))  # A resumed run: a fresh order, later positions first.
+  for start in (40, 9, 26, 0):  # A batch of 5 crossing the first and the third boundary.
+    np.testing.assert_array_equal(again(np.arange(start, start + 5)), seen[start:start + 5])
+  np.testing.assert_array_equal(again(np.arange(13 * 4)[1::2]), seen[1::2])  # One process's rows.
+  assert not np.array_equal(packing.EpochOrder(13, (8,))(np.arange(13)), seen[:13])
+
+
 def test_windows_carry_segments_positions_and_a_mask(packed_dir):
   """Inputs are the stream shifted by one (a document's first input is the EOS before it),
   segments count documents from 1, positions restart at each, padding is masked."""

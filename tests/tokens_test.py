@@ -141,7 +141,11 @@ def _damaged(dataset_dir, tmp_path, how):
     os.remove(os.path.join(path, 'tokenizer.json'))
   elif how == 'token_bytes':
     np.save(os.path.join(path, 'token_bytes.npy'), np.ones(3, np.int32))
-  if how in ('version',):
+  elif how == 'no_index':
+    del meta['splits']['train']['documents_file']
+  elif how == 'index':
+    np.save(os.path.join(path, 'val-documents.npy'), np.array([5, 3], np.int64))
+  if how in ('version', 'no_index'):
     with open(meta_path, 'w', encoding='utf-8') as f:
       json.dump(meta, f)
   return path
@@ -159,6 +163,10 @@ def _damaged(dataset_dir, tmp_path, how):
                          r'dataset again'),
     ('token_bytes', {}, r'config\.data\.path: token_bytes\.npy has \(3,\) entries for a '
                         r'vocabulary of 257; prepare the dataset again'),
+    ('no_index', {}, r'config\.data\.path: .*: metadata\.json names no document index for the '
+                     r'train split; prepare the dataset again'),
+    ('index', {}, r'config\.data\.path: .*val-documents\.npy does not index the \d+ tokens of '
+                  r'the val split; prepare the dataset again'),
     ('intact', {'data.path': ''}, r'config\.data\.path: is empty; give the directory'),
     ('intact', {'model.vocab_size': 100},
      r'config\.model\.vocab_size: 100 is smaller than the 257 that the data .* needs'),

@@ -215,7 +215,11 @@ class TokenSource:
 
   def _document_ends(self, name: str, split: TokenSplit) -> np.ndarray:
     """The split's document index: where each document ends (format version 2)."""
-    file = storage.join(self.path, self.meta['splits'][name]['documents_file'])
+    listed = self.meta['splits'][name].get('documents_file')
+    if not isinstance(listed, str) or not listed:
+      raise ConfigError(f'{self.field}: {self.path}: metadata.json names no document index for '
+                        f'the {name} split; prepare the dataset again')
+    file = storage.join(self.path, listed)
     try:
       ends = np.load(io.BytesIO(storage.read_bytes(file)))
     except (OSError, ValueError) as e:
