@@ -8,7 +8,6 @@ goes to every process unchanged. Output lines are prefixed with `[process i]`. I
 fails, the others are stopped and the launcher exits with its code; SIGINT/SIGTERM are
 passed on to every process (a SIGTERM makes zoo save and exit 0).
 """
-import argparse
 import ctypes
 import ctypes.util
 import os
@@ -109,7 +108,7 @@ def run(processes, devices, zoo_args, timeout=None, heartbeat_timeout=60, grace=
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.parser(__doc__)
   parser.add_argument('--processes', type=int, default=2)
   parser.add_argument('--devices', type=int, default=4, help='Emulated CPU devices per process.')
   parser.add_argument('--timeout', type=float, default=None, help='Seconds before every process is stopped.')
@@ -121,8 +120,11 @@ def main():
   clash = [a for a in zoo_args if '--' + a.lstrip('-').split('=')[0] in OWN_FLAGS]
   if clash:
     parser.error(f'{clash} are set by the launcher; remove them')
-  if args.processes < 1 or args.devices < 1:
-    parser.error('--processes and --devices must be positive')
+  if not (1 <= args.processes <= 64 and 1 <= args.devices <= 64):
+    parser.error('--processes and --devices must be in [1, 64] (processes on this machine, '
+                 'emulated CPU devices each)')
+  if args.heartbeat_timeout < 1 or (args.timeout is not None and not 0 < args.timeout < 1e9):
+    parser.error('--heartbeat_timeout and --timeout must be positive numbers of seconds')
   sys.exit(run(args.processes, args.devices, zoo_args, args.timeout, args.heartbeat_timeout))
 
 

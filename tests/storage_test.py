@@ -54,8 +54,11 @@ def test_disk_full_during_a_save_names_step_path_cause_and_loses_nothing(tmp_pat
     step_bytes = sum(f.stat().st_size for f in (checkpoints / '4').rglob('*') if f.is_file())
     _fill(fs, step_bytes // 4)  # Room for metrics rows, not for a step.
 
+    t0 = time.monotonic()
     full = run_cli(*_args(workdir, 8), timeout=180)
+    took = time.monotonic() - t0
     assert full.returncode != 0
+    assert took < 60, took  # Start-up, 2 steps, a save that fails, a bounded close.
     assert 'Traceback' not in full.stderr, full.stderr[-3000:]
     line = full.stderr.strip().splitlines()[-1]
     assert line.startswith(f'zoo: error: saving checkpoint step 6 to {checkpoints} failed ('), line
@@ -73,6 +76,36 @@ def test_disk_full_during_a_save_names_step_path_cause_and_loses_nothing(tmp_pat
     assert 'resuming from step 4' in again.stderr
     assert [r['step'] for r in read_metrics(workdir) if 'train/loss' in r] == list(range(1, 9))
     assert json.loads((workdir / 'config.json').read_text())['train']['steps'] == 8
+
+
+_QUOTA = """
+import errno, runpy, sys
+from zoo.store import storage
+real = storage.write_text
+def write_text(p, text):  # The quota runs out as the run writes its config.
+  if str(p).endswith('/config.json'):
+    raise OSError(errno.EDQUOT, 'Disk quota exceeded', str(p))
+  return real(p, text)
+storage.write_text = write_text
+sys.argv = ['zoo.main'] + sys.argv[1:]
+runpy.run_module('zoo.main', run_name='__main__')
+"""
+
+
+def test_a_quota_exceeded_is_one_line_and_frees_the_workdir(tmp_path):
+  """EDQUOT (a user or project quota) takes the full disk's way: one line naming the file
+  and the fix, exit 1, the lease released. This kernel's tmpfs has no quotas, so the error
+  is raised where the storage would raise it, writing the run's config.json."""
+  workdir = tmp_path / 'run'
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  result = subprocess.run([sys.executable, '-c', _QUOTA, '--cpu_devices=2', *_args(workdir, 4)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+  assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == (
+      f'zoo: error: {workdir}/config.json: Disk quota exceeded; free space (quota), then run '
+      'the same command again')
+  assert not (workdir / 'lease.json').exists()
 
 
 def _lm_args(workdir, steps=400):

@@ -109,6 +109,29 @@ def test_wandb_settings_are_checked(tmp_path, devices):
   assert not (tmp_path / 'run').exists()
 
 
+def test_the_config_mode_wins_over_wandb_mode_and_an_api_key_counts_as_a_login(monkeypatch,
+                                                                            tmp_path):
+  """metrics.wandb_mode, when set, overrides W&B's WANDB_MODE (W&B's own precedence for an
+  explicit init argument); unset, WANDB_MODE decides. WANDB_API_KEY is a login, as are
+  W&B's identity token file and the netrc entry `wandb login` writes."""
+  from zoo.store import metrics  # pylint: disable=import-outside-toplevel
+  for name in ('WANDB_API_KEY', 'WANDB_IDENTITY_TOKEN_FILE', 'WANDB_MODE', 'WANDB_BASE_URL'):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv('NETRC', str(tmp_path / 'netrc'))
+  assert metrics.wandb_mode('') == 'online' and not metrics.wandb_logged_in('')
+  monkeypatch.setenv('WANDB_MODE', 'offline')
+  assert metrics.wandb_mode('') == 'offline' and metrics.wandb_logged_in('')
+  assert metrics.wandb_mode('online') == 'online' and not metrics.wandb_logged_in('online')
+  assert metrics.wandb_mode('disabled') == 'disabled'
+  monkeypatch.setenv('WANDB_API_KEY', 'x' * 40)
+  assert metrics.wandb_logged_in('online')
+  monkeypatch.delenv('WANDB_API_KEY')
+  (tmp_path / 'netrc').write_text('machine api.wandb.ai login user password ' + 'y' * 40 + '\n')
+  assert metrics.wandb_logged_in('online')
+  monkeypatch.setenv('WANDB_BASE_URL', 'https://wandb.example.com')  # Another host's login.
+  assert not metrics.wandb_logged_in('online')
+
+
 def test_wandb_environment_is_honoured_and_no_login_is_one_line(tmp_path, devices, monkeypatch):
   """WANDB_MODE and WANDB_DIR work as W&B documents them when the config leaves the mode
   unset; an online run without credentials is refused before anything is written."""

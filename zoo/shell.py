@@ -39,7 +39,8 @@ def define_flags(devices: bool = True) -> None:
     return
   flags.DEFINE_integer('cpu_devices', None, 'Run on this many emulated CPU devices (try a mesh '
                        'without accelerators). Default on a host without accelerators: one per '
-                       'core (a power of two).')
+                       'core (a power of two) to train (zoo.main), one to sample, convert or '
+                       'evaluate.')
   flags.DEFINE_string('coordinator_address', None,
                       'host:port of process 0, for a multi-process job.')
   flags.DEFINE_integer('num_processes', None, 'Processes in the job.')

@@ -49,6 +49,7 @@ METADATA = dataset.METADATA
 SPLITS = ('train', 'val')
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg')
 AUGMENTATIONS = ('crop', 'flip')
+MAX_WORKERS = 256  # Decoding processes: more would only exhaust the host's memory.
 
 
 # Preparing: an image-folder tree -> record files.
@@ -479,9 +480,9 @@ def check_config(data_config: ml_collections.ConfigDict) -> None:
   if unknown:
     fail('data.augment', f'unknown augmentation {", ".join(map(repr, unknown))}; known: '
          f'{", ".join(AUGMENTATIONS)} (comma-separated, e.g. crop,flip; empty: none)')
-  if data_config.get('workers', 0) < 0:
-    fail('data.workers', f'must be >= 0 (0: decode in the loop\'s prefetch thread), got '
-         f'{data_config.workers}')
+  if not 0 <= data_config.get('workers', 0) <= MAX_WORKERS:
+    fail('data.workers', f'must be in [0, {MAX_WORKERS}] (0: decode in the loop\'s prefetch '
+         f'thread; a few per core at most), got {data_config.workers}')
   read_metadata(data_config.path)
 
 

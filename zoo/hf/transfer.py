@@ -20,9 +20,10 @@ from zoo.run import config as cfg
 from zoo.run import setup as setup_lib
 from zoo.run import workdir as workdir_lib
 from zoo.store import checkpoint, storage
+from zoo.store.workdir import Workdir
 
 WEIGHTS, INDEX = 'model.safetensors', 'model.safetensors.index.json'
-TOKENIZER = workdir_lib.TOKENIZER
+TOKENIZER = Workdir.TOKENIZER
 
 
 def _check_local(hf_dir: str) -> None:
@@ -43,7 +44,11 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict[str, str]]:
   if not os.path.isfile(config_path):
     raise ConfigError(f'--hf_dir: {hf_dir} has no config.json; give a Hugging Face model directory '
                       '(save_pretrained writes one)')
-  hf_config = workdir_lib.read_json(config_path, '--hf_dir')
+  try:
+    with open(config_path, encoding='utf-8') as f:
+      hf_config = json.load(f)
+  except ValueError as e:
+    raise ConfigError(f'--hf_dir: {config_path} is not valid JSON ({e})') from None
   from safetensors import safe_open  # pylint: disable=import-outside-toplevel
   if os.path.isfile(os.path.join(hf_dir, INDEX)):
     with open(os.path.join(hf_dir, INDEX), encoding='utf-8') as f:
@@ -148,8 +153,9 @@ def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.S
       raise ConfigError(f'--hf_dir: {tokenizer_file} has ids up to {size - 1}, but the embedding '
                         f'has {fields["vocab_size"]} rows (vocab_size); give the tokenizer that '
                         'goes with the model')
-  cfg.check_workdir(workdir)
-  if storage.is_dir(storage.join(workdir, 'checkpoints')):
+  workdir = Workdir(workdir)
+  workdir.check_writable()
+  if workdir.has_checkpoints():
     raise ConfigError(f'--workdir: {workdir} already has checkpoints; import into a new workdir')
   config = zoo_config(arch, fields)
   model_fields, example = _example(arch, fields)
@@ -173,16 +179,15 @@ def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.S
   tree = jax.tree_util.tree_unflatten(
       jax.tree.structure(setup.abstract_state().params),
       [params[p] for p in _flat(setup.abstract_state().params)])
-  storage.path(workdir).mkdir(parents=True, exist_ok=True)  # Local or gs://, one way.
-  storage.write_text(storage.join(workdir, 'config.json'), config.to_json_best_effort(indent=2))
-  storage.write_text(storage.join(workdir, 'imported.json'), json.dumps(
-      {'hf_dir': os.path.abspath(hf_dir), 'model_type': model_type, 'hf_config': hf_config},
-      indent=2))
+  workdir.make()  # Local or gs://, one way.
+  workdir.write_text(Workdir.CONFIG, config.to_json_best_effort(indent=2))
+  workdir.write_json('imported.json', {'hf_dir': os.path.abspath(hf_dir),
+                                       'model_type': model_type, 'hf_config': hf_config})
   if arch.kind.tokenizer:
     with open(tokenizer_file, encoding='utf-8') as f:
-      storage.write_text(storage.join(workdir, TOKENIZER), f.read())
+      workdir.write_text(TOKENIZER, f.read())
   # Uncompressed: zstd would hold a second copy of the model in host memory until commit.
-  manager = checkpoint.make_manager(workdir, keep=1, use_async=False, compress=False)
+  manager = checkpoint.make_manager(workdir.path, keep=1, use_async=False, compress=False)
   step = jax.device_put(np.zeros((), np.int32),
                         jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec()))
   manager.save(0, args=checkpoint.save_args({'step': step, 'params': tree}))

@@ -4,6 +4,7 @@ Public keys (a stable contract, see docs/configuration.md): model.name and the m
 data.name, mesh.axes, mesh.shape, logical_axis_rules, train.steps, train.batch_size,
 seed, optimizer.*, eval.every_steps.
 """
+import dataclasses
 import importlib.util
 import math
 import os
@@ -19,7 +20,7 @@ from zoo.errors import ConfigError, fail, first_line
 from zoo.parallel import mesh as mesh_lib
 from zoo.parallel import sharding
 from zoo.run import optim, tasks
-from zoo.store import metrics, storage
+from zoo.store import metrics
 
 WANDB_MODES = ('', 'online', 'offline', 'disabled')
 LAYER_FIELDS = ('num_layers', 'num_encoder_layers', 'num_decoder_layers', 'stage_sizes')
@@ -153,9 +154,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   family and the data source (ModelFamily.check_config, DataSource.check_config), the mesh
   and its rules, the optimizer (optim.check_config).
   """
-  if config.model.get('name') not in models.MODELS:
-    fail('model.name', f'unknown model {config.model.get("name")!r}; '
-         f'known: {", ".join(models.MODELS)}')
+  validate_model(config.model)
   if config.data.get('name') not in data.DATASETS:
     fail('data.name', f'unknown dataset {config.data.get("name")!r}; '
          f'known: {", ".join(data.DATASETS)}')
@@ -166,18 +165,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if source.task is not None and family.task != source.task:
     fail('data.name', f'model {config.model.name!r} trains on {family.task} data but '
          f'{config.data.name!r} is {source.task} data; pick a matching model or dataset')
-  for key, value in config.model.items():
-    values = value if isinstance(value, (tuple, list)) else (value,)
-    if any(isinstance(v, int) and not isinstance(v, bool) and v <= 0 for v in values):
-      fail(f'model.{key}', f'sizes must be positive, got {value}')
-    if key in LAYER_FIELDS and sum(values) > MAX_LAYERS:  # Tracing them would take hours.
-      fail(f'model.{key}', f'{value}: more than the {MAX_LAYERS} layers zoo builds (the deepest '
-           'published Transformers have ~130); lower it')
   if 'seq_len' in config.data and config.data.seq_len <= 0:
     fail('data.seq_len', f'must be positive, got {config.data.seq_len}')
   source.check_config(config.data)
   _validate_run(config)
-  family.check_config(config.model)
   for field in ('train.steps', 'train.batch_size', 'train.log_every_steps',
                 'eval.every_steps', 'eval.batch_size', 'checkpoint.every_steps', 'checkpoint.keep',
                 'checkpoint.lease_seconds'):
@@ -186,6 +177,26 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
       fail(field, f'must be positive, got {config[group][key]}')
   optim.check_config(config.optimizer)
   _validate_batch_sizes(config, num_devices)
+
+
+def validate_model(model: ml_collections.ConfigDict) -> None:
+  """config.model alone: a known family, positive sizes, a buildable depth, then the
+  family's own check. What a run placed from its workdir (zoo.sample, zoo.convert export,
+  zoo.evaluate) is checked by; `validate` starts with it."""
+  if model.get('name') not in models.MODELS:
+    fail('model.name', f'unknown model {model.get("name")!r}; known: {", ".join(models.MODELS)}')
+  unset = {f.name for f in dataclasses.fields(models.MODELS[model.name].module)
+           if f.default == 0 and not isinstance(f.default, bool)}  # 0: derived (head_dim).
+  for key, value in model.items():
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    if any(isinstance(v, int) and not isinstance(v, bool) and (v < 0 or v == 0 and key not in unset)
+           for v in values):
+      fail(f'model.{key}', f'sizes must be positive, got {value}' + (
+          ' (or 0: derived from the others)' if key in unset else ''))
+    if key in LAYER_FIELDS and sum(values) > MAX_LAYERS:  # Tracing them would take hours.
+      fail(f'model.{key}', f'{value}: more than the {MAX_LAYERS} layers zoo builds (the deepest '
+           'published Transformers have ~130); lower it')
+  models.MODELS[model.name].check_config(model)
 
 
 def _validate_run(config):
@@ -211,6 +222,9 @@ def _validate_run(config):
   if config.perf.peak_flops_per_device < 0:
     fail('perf.peak_flops_per_device', f'must be >= 0 (0: look it up or measure it), got '
          f'{config.perf.peak_flops_per_device}')
+  if not 0 <= config.eval.sample_temperature < float('inf'):  # (NaN fails too.)
+    fail('eval.sample_temperature', f'must be a finite number >= 0 (0: greedy), got '
+         f'{config.eval.sample_temperature}')
   if config.eval.max_batches < 0:
     fail('eval.max_batches',
          f'must be >= 0 (0: the whole eval split), got {config.eval.max_batches}')
@@ -293,19 +307,3 @@ def validate_shardings(param_rows: list, mesh: jax.sharding.Mesh, rules: tuple) 
         fail('logical_axis_rules', f'parameter {row["path"]} of shape {tuple(row["shape"])} '
              f'has a dimension of {dim} split over {shards} devices {axes}; '
              'change the model size, the mesh shape or the rule')
-
-
-def check_workdir(workdir: str) -> None:
-  """Fails if `workdir` cannot be created or written, without creating anything."""
-  if storage.is_remote(workdir):
-    storage.check_bucket(workdir, '--workdir')
-    return
-  path = os.path.abspath(workdir)
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise ConfigError(f'--workdir: {workdir} exists and is not a directory; pick another path')
-  existing = path
-  while not os.path.exists(existing):
-    existing = os.path.dirname(existing)
-  if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-    raise ConfigError(f'--workdir: {workdir} cannot be written ({existing} is not a writable '
-                      'directory); pick a writable path')

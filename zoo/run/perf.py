@@ -171,7 +171,7 @@ def step_cost(setup: 'Setup', state: Any, compiled: Any) -> dict:
 
   def loss(params, state, batch):
     return steps.loss(params, state, batch, steps.dropout_key(setup.config.seed, state.step),
-                      setup.task, steps.targets_counted(batch))
+                      setup.task, setup.task.counted(batch))
   with setup.scope():
     forward = forward_flops(loss, state.params, state, setup.batch)
   cost = {'model_flops': 3 * forward, 'xla_flops_per_device': xla_flops(compiled),

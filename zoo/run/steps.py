@@ -40,25 +40,14 @@ def state_initializer(model: nn.Module, optimizer: optax.GradientTransformation,
 
 def loss(params: Any, state: TrainState, batch: dict, rng: jax.Array, task: Task,
          total: jax.Array) -> tuple[jax.Array, dict]:
-  """The batch's summed cross-entropy over `total`, the number of targets that count in
-  the whole global batch (every microbatch): those where the batch's `mask` (packed
-  documents' padding) is 1, or all. The model state the forward pass updated comes too."""
+  """The batch's loss (the task's, summed over the targets that count) over `total`, the
+  targets that count in the whole global batch (every microbatch). The model state the
+  forward pass updated comes too."""
   logits, model_state = state.apply_fn(
       {'params': params, **state.model_state}, *task.model_inputs(batch),
       **task.model_keywords(batch), train=True, rngs={'dropout': rng},
       mutable=list(state.model_state))
-  losses = optax.softmax_cross_entropy_with_integer_labels(
-      logits.astype(jnp.float32), batch['targets'])
-  if 'mask' in batch:
-    losses = losses * batch['mask']
-  return losses.sum() / total, model_state
-
-
-def targets_counted(batch: dict) -> jax.Array:
-  """How many targets of a batch count in its loss (float32): see `loss`."""
-  if 'mask' in batch:
-    return jnp.maximum(batch['mask'].astype(jnp.float32).sum(), 1.0)
-  return jnp.asarray(batch['targets'].size, jnp.float32)
+  return task.loss_sum(logits, batch) / total, model_state
 
 
 def _microbatches(x, k):
@@ -88,7 +77,7 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
   at a time, and a microbatch with more padding weighs less, as in the whole batch.
   """
   rng = dropout_key(seed, state.step)
-  total = targets_counted(batch)
+  total = task.counted(batch)
   grad_fn = jax.value_and_grad(functools.partial(loss, task=task, total=total), has_aux=True)
   if microbatches == 1:
     (mean_loss, model_state), grads = grad_fn(state.params, state, batch, rng)
@@ -119,38 +108,20 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
 
 
 def eval_step(state: TrainState, batch: dict, task: Task) -> dict:
-  """Sums over a batch of loss, correct predictions, weight (per token for sequences),
-  exactly matched examples (every position right) and, where the batch has them, the
-  targets' UTF-8 bytes; the task turns them into metrics."""
+  """The task's sums over a batch (Task.eval_sums: loss, correct predictions, weight, ...),
+  which it turns into metrics over the split."""
   logits = state.apply_fn({'params': state.params, **state.model_state},
                           *task.model_inputs(batch), **task.model_keywords(batch)
                           ).astype(jnp.float32)
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
-  weights = jnp.broadcast_to(
-      batch['weights'].reshape(batch['weights'].shape + (1,) * (losses.ndim - 1)), losses.shape)
-  if 'mask' in batch:  # Padding of packed documents counts nowhere.
-    weights = weights * batch['mask']
-  correct = jnp.argmax(logits, axis=-1) == batch['targets']
-  exact = correct.reshape(correct.shape[0], -1).all(axis=1)
-  sums = {'loss': (losses * weights).sum(), 'correct': (correct * weights).sum(),
-          'weight': weights.sum(), 'exact': (exact * batch['weights']).sum(),
-          'examples': batch['weights'].sum()}
-  if 'bytes' in batch:  # UTF-8 bytes of each target token: bits per byte.
-    sums['bytes'] = (batch['bytes'] * weights).sum()
-  return sums
+  return task.eval_sums(logits, batch)
 
 
 def score_step(params: Any, batch: dict, apply_fn: Callable, task: Task) -> dict:
-  """Each row's log-likelihood of its targets where `mask` is 1, and whether each of those
-  targets is the likeliest token: how a multiple-choice task's choices (zoo.data.choice)
-  and lm-evaluation-harness's requests (zoo.run.harness) are scored. {'loglik': [B]
-  float32, 'greedy': [B] bool}."""
+  """Each row's score under the model (Task.scores: a language model's log-likelihood of
+  the masked targets, and whether they are all the likeliest tokens)."""
   logits = apply_fn({'params': params}, *task.model_inputs(batch),
                     **task.model_keywords(batch)).astype(jnp.float32)
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
-  mask = batch['mask']
-  greedy = ((jnp.argmax(logits, axis=-1) == batch['targets']) | (mask == 0)).all(axis=-1)
-  return {'loglik': -(losses * mask).sum(axis=-1), 'greedy': greedy}
+  return task.scores(logits, batch)
 
 
 def check_state(state: TrainState) -> dict:

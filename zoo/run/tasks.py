@@ -4,7 +4,10 @@ A model family names its task (zoo.models), and so does a dataset (zoo.data); th
 trainer reaches task semantics only through these objects:
 - `inputs`: the batch fields the model takes, in order; `keywords`: those it takes by
   name where a batch has them (packed documents' segments and positions);
-- `metrics(sums, dataset)`: eval metrics from the summed outputs of zoo.run.steps.eval_step;
+- `loss_sum(logits, batch)` and `counted(batch)`: the summed training loss and the number
+  of targets it is over (a train step's loss is their ratio over the global batch);
+- `eval_sums(logits, batch)`: what an eval batch adds up (zoo.run.steps.eval_step), and
+  `metrics(sums, dataset)`: the eval metrics from those sums over the split;
 - `tokens(batch)`: the tokens a train batch trains on (sequence tasks), for tokens/s;
 - `eval_sampler(model, dataset, mesh, seed, temperature)`: what an eval shows besides
   metrics (the LM's sample, logged and written to TensorBoard).
@@ -15,7 +18,9 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
 from zoo.models import decode
 
@@ -36,6 +41,33 @@ class Task:
 
   def model_keywords(self, batch: dict) -> dict:
     return {arg: batch[field] for field, arg in self.keywords.items() if field in batch}
+
+  def target_weights(self, batch: dict) -> jax.Array:
+    """Each target's weight: 1, or the batch's `mask` (packed documents' padding 0, and for
+    chat data 0 outside the assistant's turns)."""
+    if 'mask' in batch:
+      return batch['mask'].astype(jnp.float32)
+    return jnp.ones(batch['targets'].shape, jnp.float32)
+
+  def loss_sum(self, logits: jax.Array, batch: dict) -> jax.Array:
+    """The cross-entropy summed over the targets that count."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), batch['targets'])
+    return (losses * self.target_weights(batch)).sum()
+
+  def counted(self, batch: dict) -> jax.Array:
+    """How many targets count in `loss_sum` (float32, at least 1)."""
+    return jnp.maximum(self.target_weights(batch).sum(), 1.0)
+
+  def eval_sums(self, logits: jax.Array, batch: dict) -> dict:
+    """Sums over an eval batch of loss, correct predictions and weight (per target for
+    sequences); `weights` [B] masks the padded rows of the split's last batch."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
+    rows = batch['weights'].reshape(batch['weights'].shape + (1,) * (losses.ndim - 1))
+    weights = jnp.broadcast_to(rows, losses.shape) * self.target_weights(batch)
+    correct = jnp.argmax(logits, axis=-1) == batch['targets']
+    return {'loss': (losses * weights).sum(), 'correct': (correct * weights).sum(),
+            'weight': weights.sum()}
 
   def metrics(self, sums: dict, dataset: 'Dataset') -> dict:
     """Loss and accuracy (per token for sequences) from eval_step's sums over the split."""
@@ -60,6 +92,24 @@ class LanguageModel(Task):
   name = 'lm'
   keywords = {'segments': 'segments_BL', 'positions': 'positions_BL'}
   sequences = True
+
+  def eval_sums(self, logits: jax.Array, batch: dict) -> dict:
+    """Adds the targets' UTF-8 bytes where the batch has them: bits per byte."""
+    sums = super().eval_sums(logits, batch)
+    if 'bytes' in batch:
+      rows = batch['weights'][:, None] * self.target_weights(batch)
+      sums['bytes'] = (batch['bytes'] * rows).sum()
+    return sums
+
+  def scores(self, logits: jax.Array, batch: dict) -> dict:
+    """Each row's log-likelihood of its targets where `mask` is 1, and whether each of those
+    targets is the likeliest token: how multiple-choice tasks (zoo.data.choice) and
+    lm-evaluation-harness's requests (zoo.run.harness) are scored. {'loglik': [B] float32,
+    'greedy': [B] bool}."""
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
+    mask = batch['mask']
+    greedy = ((jnp.argmax(logits, axis=-1) == batch['targets']) | (mask == 0)).all(axis=-1)
+    return {'loglik': -(losses * mask).sum(axis=-1), 'greedy': greedy}
 
   def metrics(self, sums: dict, dataset: 'Dataset') -> dict:
     result = super().metrics(sums, dataset)
@@ -98,6 +148,14 @@ class Seq2Seq(Task):
   name = 'seq2seq'
   inputs = ('inputs', 'decoder_inputs')
   sequences = True
+
+  def eval_sums(self, logits: jax.Array, batch: dict) -> dict:
+    """Adds the examples whose every target is the argmax."""
+    sums = super().eval_sums(logits, batch)
+    correct = jnp.argmax(logits, axis=-1) == batch['targets']
+    exact = correct.reshape(correct.shape[0], -1).all(axis=1)
+    sums.update(exact=(exact * batch['weights']).sum(), examples=batch['weights'].sum())
+    return sums
 
   def metrics(self, sums: dict, dataset: 'Dataset') -> dict:
     result = super().metrics(sums, dataset)

@@ -16,7 +16,8 @@ from zoo.parallel import sharding
 from zoo.run import config as cfg
 from zoo.run import perf, profiling, steps
 from zoo.run import setup as setup_lib
-from zoo.store import checkpoint, lease, metrics, storage
+from zoo.store import checkpoint, metrics
+from zoo.store.workdir import Workdir
 
 # Steps the loop may dispatch beyond the newest one the devices finished: enough to keep
 # them busy, few enough that a stop request (SIGTERM) is served within a few steps and
@@ -161,12 +162,12 @@ def compile_steps(setup: setup_lib.Setup, state: steps.TrainState) -> tuple:
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps.TrainState:
   """See _train_and_evaluate; a storage error that names no file names the workdir."""
   try:
-    return _train_and_evaluate(config, workdir)
+    return _train_and_evaluate(config, Workdir(workdir))
   except OSError as e:
-    raise storage.named(e, workdir) from None
+    raise Workdir(workdir).named(e) from None
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps.TrainState:
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> steps.TrainState:
   """Trains `config`'s model in `workdir`, resuming from its checkpoints if there are any.
 
   Bad input raises ConfigError before anything is written. Between logs, evals and saves
@@ -175,35 +176,36 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> step
   the newest.
   """
   cfg.validate(config, jax.device_count())
-  cfg.check_workdir(workdir)
+  workdir.check_writable()
   setup = setup_lib.checked(config)
   mesh, total, is_main = setup.mesh, config.train.steps, jax.process_index() == 0
   with setup.scope(), contextlib.ExitStack() as cleanup:  # Cleanups all run, last first.
-    owner = lease.hold(workdir, config.checkpoint.lease_seconds)  # Or exits: another job has it.
+    owner = workdir.hold(config.checkpoint.lease_seconds)  # Or exits: another job has it.
     cleanup.callback(owner.release)
     # From here the workdir is written.
     state, manager = checkpoint.restore_or_init(
-        workdir, setup.abstract_state(), setup.create_state, setup.config.checkpoint)
+        workdir.path, setup.abstract_state(), setup.create_state, setup.config.checkpoint)
     saver = checkpoint.Saver(manager)
     cleanup.callback(saver.close)  # Waits for the last save: a failure raises from here.
     start = int(state.step)
     if is_main:
-      metrics.write_json(workdir, 'config.json', config.to_json_best_effort(indent=2))
+      workdir.write_text(Workdir.CONFIG, config.to_json_best_effort(indent=2))
     logging.info('mesh %s; config:\n%s', dict(mesh.shape), config)
     logging.info('parameters:\n%s', sharding.format_param_table(setup.param_table()))
-    writer = metrics.MetricWriter(workdir, is_main, start, metrics.tracker(config, workdir))
+    writer = metrics.MetricWriter(workdir.path, is_main, start,
+                                  metrics.tracker(config, workdir.path))
     cleanup.callback(writer.close)
     stop = checkpoint.StopRequest(manager)  # A SIGTERM from here on saves a step and exits.
     cleanup.callback(stop.close)
     train_step, check_step, eval_step, cost = compile_steps(setup, state)
     choice_step = setup.jit_score_step() if setup.choice_tasks else None
     if is_main:
-      metrics.write_json(workdir, 'model_info.json', {
+      workdir.write_json('model_info.json', {
           'mesh': dict(mesh.shape),
           'mesh_processes': np.vectorize(lambda d: d.process_index)(mesh.devices).tolist(),
           'step_cost': cost, 'params': setup.param_table()})
     reporter = Reporter(setup, writer, cost, start)
-    profile = profiling.Profile(config.profile.steps, workdir)
+    profile = profiling.Profile(config.profile.steps, workdir.path)
     cleanup.callback(profile.close)
     read_before = setup.dataset.examples_read() if setup.dataset.examples_read else 0
     train_batches = feed.TrainBatches(setup.dataset, setup.batch_sharding,

@@ -267,7 +267,7 @@ class WandbWriter:
       self.after = logged
     else:  # W&B newly turned on: nothing was sent yet.
       run_id = uuid.uuid4().hex[:12]
-      write_json(self.workdir, 'wandb_run.json', {'id': run_id, 'project': self.project})
+      storage.write_text(id_file, json.dumps({'id': run_id, 'project': self.project}, indent=2))
     local = not storage.is_remote(self.workdir) and not os.environ.get('WANDB_DIR')
     try:
       self.run = wandb.init(project=self.project, entity=self.entity, id=run_id,
@@ -323,12 +323,6 @@ def tracker(config: Any, workdir: str) -> Optional[WandbWriter]:
     return None
   return WandbWriter(workdir, m.wandb_project, json.loads(config.to_json_best_effort()),
                      m.wandb_mode, m.wandb_entity)
-
-
-def write_json(workdir: str, name: str, obj: Any) -> None:
-  """workdir/name: `obj` as indented JSON, or a string already in JSON."""
-  storage.write_text(storage.join(workdir, name),
-                     obj if isinstance(obj, str) else json.dumps(obj, indent=2))
 
 
 def _step_of(line):
