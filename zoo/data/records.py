@@ -481,8 +481,8 @@ def check_config(data_config: ml_collections.ConfigDict) -> None:
     fail('data.augment', f'unknown augmentation {", ".join(map(repr, unknown))}; known: '
          f'{", ".join(AUGMENTATIONS)} (comma-separated, e.g. crop,flip; empty: none)')
   if not 0 <= data_config.get('workers', 0) <= MAX_WORKERS:
-    fail('data.workers', f'must be in [0, {MAX_WORKERS}] (0: decode in the loop\'s prefetch '
-         f'thread; a few per core at most), got {data_config.workers}')
+    fail('data.workers', f'must be >= 0 and at most {MAX_WORKERS} (0: decode in the loop\'s '
+         f'prefetch thread; a few per core at most), got {data_config.workers}')
   read_metadata(data_config.path)
 
 
