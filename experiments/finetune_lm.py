@@ -7,24 +7,37 @@ r"""Fine-tune an imported language model on a token dataset made with its own to
         --config.data.path=data/ft
     python -m zoo.convert export --workdir=runs/ft --hf_dir=out/ft
 
-`get_config('IMPORTED_WORKDIR[,smoke]')`: the model is the imported one (its config.json's
-fields), its params start from the import's checkpoint (`checkpoint.init_from`), and the
-optimizer, schedule and step count are fresh; any mesh works, the rules replicating what
-the model's sizes do not split. The README's results table has a full run: a GPT-2-layout
+`get_config('IMPORTED_WORKDIR[,smoke][,lora]')`: the model is the imported one (its
+config.json's fields), its params start from the import's checkpoint (`checkpoint.init_from`),
+and the optimizer, schedule and step count are fresh; any mesh works, the rules replicating
+what the model's sizes do not split. `model.lora.rank` > 0 (`,lora`: rank 8 on every
+projection) trains low-rank adapters only, the imported weights frozen (zoo.models.lora);
+export merges them (`zoo.convert export`) or writes them as a PEFT adapter (`--peft`). The README's results table has a full run: a GPT-2-layout
 model trained by `bpe_lm:gpt2`, exported, imported and fine-tuned on the Python docs.
 `:smoke` (after the workdir): seconds.
 """
 import json
 
+import ml_collections
+
 from zoo.run.config import base_config
 from zoo.store import storage
 
 
+def lora_config(model, rank=0):
+  """config.model.lora for an imported model: `rank` (0: none) on every projection it has."""
+  gated = model.get('mlp_activation') in ('swiglu', 'geglu')
+  mlp = ('wi_gate', 'wi_up', 'wo') if gated else ('wi', 'wo')
+  return ml_collections.ConfigDict(dict(rank=rank, alpha=2.0 * rank, dropout=0.0,
+                                        targets=('query', 'key', 'value', 'out') + mlp))
+
+
 def get_config(arg=None):
-  workdir, _, variant = (arg or '').partition(',')
-  if not workdir or variant not in ('', 'smoke'):
+  workdir, *variants = (arg or '').split(',')
+  if not workdir or set(variants) - {'smoke', 'lora'}:
     raise ValueError(f'finetune_lm needs the imported workdir: --config=experiments/'
-                     f'finetune_lm.py:WORKDIR[,smoke], got {arg!r}; known variant: smoke')
+                     f'finetune_lm.py:WORKDIR[,smoke][,lora], got {arg!r}; known variants: '
+                     'smoke, lora')
   found = storage.join(workdir, 'config.json')  # A local or gs:// workdir.
   if not storage.is_file(found):
     raise ValueError(f'{workdir} has no config.json: give the workdir of an imported model '
@@ -33,6 +46,7 @@ def get_config(arg=None):
   imported = json.loads(storage.read_text(found))
   c = base_config()
   c.model.update(imported['model'])  # The imported architecture, exactly.
+  c.model.lora = lora_config(c.model, 8 if 'lora' in variants else 0)
   c.checkpoint.init_from = workdir    # Its params; a fresh optimizer.
   c.data.name = 'tokens'
   c.data.path = ''                    # Give --config.data.path: a dataset of its tokenizer.
@@ -48,7 +62,9 @@ def get_config(arg=None):
   c.eval.batch_size = 32
   c.eval.max_batches = 0
   c.checkpoint.every_steps = 100
-  if variant == 'smoke':
+  if 'lora' in variants:
+    c.optimizer.learning_rate = 1e-3  # Adapters start at zero: a higher rate than full tuning.
+  if 'smoke' in variants:
     c.data.seq_len = min(32, c.model.max_len)
     c.train.update(steps=20, batch_size=16, log_every_steps=5)
     c.optimizer.update(learning_rate=3e-3, warmup_steps=2)

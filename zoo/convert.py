@@ -10,13 +10,20 @@ library, no torch, and writes a zoo workdir: config.json (the model as zoo field
 tokenizer.json, and a checkpoint of the params at step 0 that `zoo.sample` runs and
 `checkpoint.init_from` starts from. Each HF tensor is read once and each device receives
 only its own shards (jax.make_array_from_callback over numpy views of the tensor), so the
-host holds one tensor at a time beside the shards. Supported: GPT-2, Llama and ViT (zoo.hf.layouts);
-anything else is refused with that list. Names, shapes and the tokenizer's vocabulary are
-checked before anything is written.
+host holds one tensor at a time beside the shards. Another architecture is refused with
+the list of supported ones, a supported one with a switch zoo lacks by naming the switch.
+Names, shapes and the tokenizer's vocabulary are checked before anything is written.
 
 `export` writes a zoo run's newest params as a HF directory that `transformers` loads:
 config.json, model.safetensors (or shards of --max_shard_gib with an index), and the
-tokenizer.json of the run (its own, or its token dataset's).
+tokenizer.json of the run (its own, or its token dataset's). A LoRA run's adapters are
+merged into the weights; with --peft they are written alone, as a PEFT adapter directory:
+
+    python -m zoo.convert export --workdir=runs/lora --hf_dir=out/adapter --peft
+
+Supported: GPT-2, Llama (1-3), Mistral, Qwen2/2.5, Qwen3, Gemma (1-3) and the ViT
+(zoo.hf.layouts). Neither direction holds a second copy of the weights on the host: import
+reads one tensor at a time, export writes one shard at a time.
 """
 from absl import flags
 
@@ -37,6 +44,8 @@ def define_flags() -> None:
                       "Empty: every device on 'model' (axes the params cannot split over are "
                       'replicated).')
   flags.DEFINE_float('max_shard_gib', 4.0, 'export: the largest safetensors file.')
+  flags.DEFINE_bool('peft', False, 'export: write a LoRA run\'s adapters alone, as a PEFT '
+                    'adapter directory (without it they are merged into the weights).')
   flags.mark_flags_as_required(['hf_dir', 'workdir'])
 
 
@@ -50,7 +59,7 @@ def main(argv: list[str]) -> None:
   if argv[1] == 'import':
     import_model(FLAGS.hf_dir, FLAGS.workdir, FLAGS.mesh_shape)
   else:
-    export_model(FLAGS.workdir, FLAGS.hf_dir, int(FLAGS.max_shard_gib * 2**30))
+    export_model(FLAGS.workdir, FLAGS.hf_dir, int(FLAGS.max_shard_gib * 2**30), FLAGS.peft)
 
 
 if __name__ == '__main__':

@@ -189,46 +189,172 @@ def _gpt2_matches(m):
           and not m.get('num_kv_heads') and not m.get('head_dim'))
 
 
-# Llama: rotary positions, RMSNorm, SwiGLU, grouped-query attention, no biases, untied head.
+# Decoders in Llama's layout: Llama (1-3), Mistral, Qwen2/2.5, Qwen3 and Gemma 1-3. The same
+# tensors (model.layers.N.self_attn.q_proj, ...), rotary positions and RMSNorm; each model
+# type adds switches of zoo's Transformer (zoo.models.transformer).
 
-def _llama_from_hf(c):
-  rope = c.get('rope_parameters') or {}
-  scaling = c.get('rope_scaling') or {}
-  rope_types = {rope.get('rope_type'), scaling.get('rope_type'), scaling.get('type')} - {None}
-  unsupported = {k: c.get(k) for k in ('attention_bias', 'mlp_bias') if c.get(k)}
-  if rope_types - {'default'}:  # transformers 5 writes rope_parameters, older ones rope_scaling.
-    unsupported['rope_type'] = ', '.join(sorted(rope_types - {'default'}))
-  if c.get('hidden_act', 'silu') != 'silu':
-    unsupported['hidden_act'] = c.get('hidden_act')
-  if c.get('pretraining_tp', 1) != 1:
-    unsupported['pretraining_tp'] = c.get('pretraining_tp')
-  _refuse(unsupported, 'llama')
-  heads = c['num_attention_heads']
-  head_dim = c.get('head_dim') or c['hidden_size'] // heads
-  return dict(vocab_size=c['vocab_size'], num_layers=c['num_hidden_layers'],
-              d_model=c['hidden_size'], num_heads=heads,
-              num_kv_heads=c.get('num_key_value_heads') or heads,
-              head_dim=head_dim if head_dim * heads != c['hidden_size'] else 0,
-              mlp_dim=c['intermediate_size'], max_len=c['max_position_embeddings'],
-              positions='rotary', rope_theta=float(rope.get('rope_theta', c.get('rope_theta',
-                                                                                  10000.0))),
-              norm='rms', norm_epsilon=c.get('rms_norm_eps', 1e-6), mlp_activation='swiglu',
-              use_bias=False, tie_embeddings=bool(c.get('tie_word_embeddings', False)))
-
-
-def _llama_to_hf(m):
-  heads = m['num_heads']
-  return dict(architectures=['LlamaForCausalLM'], model_type='llama', vocab_size=m['vocab_size'],
-              hidden_size=m['d_model'], intermediate_size=m['mlp_dim'],
-              num_hidden_layers=m['num_layers'], num_attention_heads=heads,
-              num_key_value_heads=m.get('num_kv_heads') or heads,
-              head_dim=m.get('head_dim') or m['d_model'] // heads,
-              max_position_embeddings=m['max_len'], rms_norm_eps=m['norm_epsilon'],
-              rope_theta=m['rope_theta'], hidden_act='silu', attention_bias=False, mlp_bias=False,
-              tie_word_embeddings=bool(m.get('tie_embeddings')))
+def _rope(c: dict, model_type: str, kind: str = '') -> dict:
+  """A config's rotary settings as zoo fields: transformers 5's rope_parameters (per layer
+  type for Gemma 3: `kind`), or the older rope_theta and rope_scaling."""
+  params = c.get('rope_parameters') or {}
+  nested = any(isinstance(v, dict) for v in params.values())
+  if nested:
+    params = params.get(kind or 'full_attention') or {}
+  elif kind == 'sliding_attention':  # transformers 4's Gemma 3: rope_local_base_freq.
+    return {'rope_theta': float(c.get('rope_local_base_freq', 10000.0))}
+  scaling = c.get('rope_scaling') or {}  # Older configs' scaling, for global layers.
+  scaled = (scaling.get('rope_type') or scaling.get('type') or 'default') != 'default'
+  merged = {**params, **scaling} if scaled and kind != 'sliding_attention' else params
+  kind_of = merged.get('rope_type') or merged.get('type') or 'default'
+  theta = float(merged.get('rope_theta', c.get('rope_theta', 10000.0)))
+  if kind_of == 'default':
+    return {'rope_theta': theta}
+  if kind_of == 'linear':
+    return {'rope_theta': theta, 'rope_scaling': 'linear', 'rope_factor': float(merged['factor'])}
+  if kind_of == 'llama3':
+    return {'rope_theta': theta, 'rope_scaling': 'llama3', 'rope_factor': float(merged['factor']),
+            'rope_low_freq_factor': float(merged.get('low_freq_factor', 1.0)),
+            'rope_high_freq_factor': float(merged.get('high_freq_factor', 4.0)),
+            'rope_original_max_len': int(merged.get('original_max_position_embeddings')
+                                         or c['max_position_embeddings'])}
+  _refuse({'rope_type': kind_of}, model_type)
+  return {}
 
 
-def _llama_tensors(m):
+def _rope_to_hf(m: dict, local: bool = False) -> dict:
+  if local:
+    return {'rope_type': 'default', 'rope_theta': m['rope_local_theta']}
+  out = {'rope_type': 'default', 'rope_theta': m['rope_theta']}
+  if m.get('rope_scaling', 'none') == 'linear':
+    out.update(rope_type='linear', factor=m['rope_factor'])
+  elif m.get('rope_scaling') == 'llama3':
+    out.update(rope_type='llama3', factor=m['rope_factor'],
+               low_freq_factor=m['rope_low_freq_factor'],
+               high_freq_factor=m['rope_high_freq_factor'],
+               original_max_position_embeddings=m['rope_original_max_len'])
+  return out
+
+
+def _layer_pattern(c: dict, window: Optional[int], model_type: str) -> dict:
+  """sliding_window and global_every from a config's window and layer_types (sliding layers
+  where (i + 1) % global_every != 0, as Gemma 2 and 3 lay them out); other layouts refused."""
+  layers = c['num_hidden_layers']
+  types = c.get('layer_types')
+  if not window:
+    if types and any(t != 'full_attention' for t in types):
+      _refuse({'layer_types': 'sliding layers without a sliding_window'}, model_type)
+    return {'sliding_window': 0, 'global_every': 0}
+  if not types:
+    return {'sliding_window': int(window), 'global_every': 0}
+  full = [i for i, t in enumerate(types) if t == 'full_attention']
+  every = full[0] + 1 if full else 0
+  if len(types) != layers or set(types) - {'full_attention', 'sliding_attention'} or full != [
+      i for i in range(layers) if every and (i + 1) % every == 0]:
+    _refuse({'layer_types': 'a pattern other than every n-th layer global'}, model_type)
+  return {'sliding_window': int(window), 'global_every': every}
+
+
+def _decoder_from_hf(model_type: str):
+  """config.json -> zoo fields, for a model type in Llama's layout."""
+  gemma = model_type.startswith('gemma')
+
+  def from_hf(c):
+    unsupported = {}
+    if c.get('mlp_bias'):
+      unsupported['mlp_bias'] = True
+    if c.get('attention_bias') and model_type not in ('qwen2',):
+      unsupported['attention_bias'] = True
+    if c.get('pretraining_tp', 1) != 1:
+      unsupported['pretraining_tp'] = c.get('pretraining_tp')
+    act = c.get('hidden_activation') or c.get('hidden_act') or ('gelu_pytorch_tanh' if gemma
+                                                                 else 'silu')
+    want = ('gelu_pytorch_tanh', 'gelu') if gemma else ('silu',)
+    if act not in want:  # transformers runs Gemma's 'gelu' as the tanh approximation.
+      unsupported['hidden_act'] = act
+    if c.get('use_bidirectional_attention'):
+      unsupported['use_bidirectional_attention'] = True
+    if model_type in ('qwen2', 'qwen3') and c.get('use_sliding_window'):
+      unsupported['use_sliding_window'] = True
+    _refuse(unsupported, model_type)
+    heads, d = c['num_attention_heads'], c['hidden_size']
+    head_dim = c.get('head_dim') or d // heads
+    fields = dict(
+        vocab_size=c['vocab_size'], num_layers=c['num_hidden_layers'], d_model=d, num_heads=heads,
+        num_kv_heads=c.get('num_key_value_heads') or heads,
+        head_dim=head_dim if head_dim * heads != d else 0, mlp_dim=c['intermediate_size'],
+        max_len=c['max_position_embeddings'], positions='rotary',
+        norm='rms_offset' if gemma else 'rms', norm_epsilon=c.get('rms_norm_eps', 1e-6),
+        mlp_activation='geglu' if gemma else 'swiglu', use_bias=False,
+        tie_embeddings=bool(c.get('tie_word_embeddings', gemma)),
+        qkv_bias=model_type == 'qwen2', qk_norm=model_type in ('qwen3', 'gemma3_text'),
+        post_norms=model_type in ('gemma2', 'gemma3_text'), embed_scale=gemma)
+    if model_type == 'gemma3_text':
+      fields.update(_rope(c, model_type, 'full_attention'))
+      local = _rope(c, model_type, 'sliding_attention')
+      if set(local) != {'rope_theta'}:
+        _refuse({'rope_parameters.sliding_attention': local}, model_type)
+      fields['rope_local_theta'] = local['rope_theta']
+    else:
+      fields.update(_rope(c, model_type))
+    if model_type in ('gemma2', 'gemma3_text'):
+      fields['query_scale_dim'] = int(c.get('query_pre_attn_scalar') or head_dim)
+      fields['final_softcap'] = float(c.get('final_logit_softcapping') or 0.0)
+    if model_type == 'gemma2':  # Gemma 3's attention ignores attn_logit_softcapping.
+      fields['attn_softcap'] = float(c.get('attn_logit_softcapping') or 0.0)
+    window = c.get('sliding_window') if model_type in ('mistral', 'gemma2', 'gemma3_text') else None
+    fields.update(_layer_pattern(c, window, model_type))
+    return fields
+  return from_hf
+
+
+_HF_CLASS = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
+             'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM', 'gemma': 'GemmaForCausalLM',
+             'gemma2': 'Gemma2ForCausalLM', 'gemma3_text': 'Gemma3ForCausalLM'}
+
+
+def _decoder_to_hf(model_type: str):
+  """zoo fields -> config.json, for a model type in Llama's layout."""
+  gemma = model_type.startswith('gemma')
+
+  def to_hf(m):
+    heads = m['num_heads']
+    head_dim = m.get('head_dim') or m['d_model'] // heads
+    c = dict(architectures=[_HF_CLASS[model_type]], model_type=model_type,
+             vocab_size=m['vocab_size'], hidden_size=m['d_model'], intermediate_size=m['mlp_dim'],
+             num_hidden_layers=m['num_layers'], num_attention_heads=heads,
+             num_key_value_heads=m.get('num_kv_heads') or heads, head_dim=head_dim,
+             max_position_embeddings=m['max_len'], rms_norm_eps=m['norm_epsilon'],
+             tie_word_embeddings=bool(m.get('tie_embeddings')))
+    if gemma:
+      c['hidden_activation'] = 'gelu_pytorch_tanh'
+    else:
+      c.update(hidden_act='silu', mlp_bias=False)
+    if model_type in ('llama', 'qwen3'):
+      c['attention_bias'] = False
+    if model_type == 'gemma3_text':
+      c['rope_parameters'] = {'full_attention': _rope_to_hf(m),
+                              'sliding_attention': _rope_to_hf(m, local=True)}
+    elif m.get('rope_scaling', 'none') != 'none' or model_type != 'llama':
+      c['rope_parameters'] = _rope_to_hf(m)
+    else:
+      c['rope_theta'] = m['rope_theta']
+    if model_type in ('qwen2', 'qwen3'):
+      c['use_sliding_window'] = False
+    if model_type in ('gemma2', 'gemma3_text'):
+      c['query_pre_attn_scalar'] = m.get('query_scale_dim') or head_dim
+      c['final_logit_softcapping'] = m.get('final_softcap') or None
+      c['attn_logit_softcapping'] = m.get('attn_softcap') or None
+    if model_type in ('mistral', 'gemma2', 'gemma3_text'):
+      c['sliding_window'] = m.get('sliding_window') or None
+      if model_type != 'mistral':
+        every = m.get('global_every') or 0
+        c['layer_types'] = ['sliding_attention' if every and (i + 1) % every else 'full_attention'
+                            for i in range(m['num_layers'])]
+    return c
+  return to_hf
+
+
+def _decoder_tensors(m):
   d, n, f = m['d_model'], m['num_heads'], m['mlp_dim']
   g, h = m.get('num_kv_heads') or n, m.get('head_dim') or d // n
   out = [_vocab('model.embed_tokens.weight', m['vocab_size'], d, 'embed'),
@@ -243,16 +369,47 @@ def _llama_tensors(m):
         _heads_in(f'{hf}self_attn.k_proj.weight', (g * h, d), f'{zoo}attn/key', g, h),
         _heads_in(f'{hf}self_attn.v_proj.weight', (g * h, d), f'{zoo}attn/value', g, h),
         _heads_out(f'{hf}self_attn.o_proj.weight', (d, n * h), f'{zoo}attn/out', n, h),
-        _same(f'{hf}post_attention_layernorm.weight', (d,), f'{zoo}ln_mlp/scale'),
         _transposed(f'{hf}mlp.gate_proj.weight', (f, d), f'{zoo}mlp/wi_gate'),
         _transposed(f'{hf}mlp.up_proj.weight', (f, d), f'{zoo}mlp/wi_up'),
         _transposed(f'{hf}mlp.down_proj.weight', (d, f), f'{zoo}mlp/wo')]
+    if m.get('qkv_bias'):
+      out += [_bias_heads(f'{hf}self_attn.{x}_proj.bias', heads, h, f'{zoo}attn/{name}_bias')
+              for x, name, heads in (('q', 'query', n), ('k', 'key', g), ('v', 'value', g))]
+    if m.get('qk_norm'):
+      out += [_same(f'{hf}self_attn.{x}_norm.weight', (h,), f'{zoo}attn/{name}_norm/scale')
+              for x, name in (('q', 'query'), ('k', 'key'))]
+    if m.get('post_norms'):
+      out += [_same(f'{hf}post_attention_layernorm.weight', (d,), f'{zoo}ln_attn_out/scale'),
+              _same(f'{hf}pre_feedforward_layernorm.weight', (d,), f'{zoo}ln_mlp/scale'),
+              _same(f'{hf}post_feedforward_layernorm.weight', (d,), f'{zoo}ln_mlp_out/scale')]
+    else:
+      out.append(_same(f'{hf}post_attention_layernorm.weight', (d,), f'{zoo}ln_mlp/scale'))
   return out
 
 
-def _llama_matches(m):
-  return (m.get('positions') == 'rotary' and m.get('norm') == 'rms'
-          and m.get('mlp_activation') == 'swiglu' and not m.get('use_bias'))
+def _decoder_matches(model_type: str):
+  """Whether zoo fields (defaults included) are this model type's layout."""
+  gemma = model_type.startswith('gemma')
+
+  def matches(m):
+    base = (m.get('positions') == 'rotary' and not m.get('use_bias')
+            and m.get('norm') == ('rms_offset' if gemma else 'rms')
+            and m.get('mlp_activation') == ('geglu' if gemma else 'swiglu')
+            and bool(m.get('embed_scale')) == gemma
+            and bool(m.get('qkv_bias')) == (model_type == 'qwen2')
+            and bool(m.get('qk_norm')) == (model_type in ('qwen3', 'gemma3_text'))
+            and bool(m.get('post_norms')) == (model_type in ('gemma2', 'gemma3_text'))
+            and bool(m.get('rope_local_theta')) == (model_type == 'gemma3_text')
+            and (model_type == 'gemma2' or not m.get('attn_softcap'))
+            and (model_type in ('gemma2', 'gemma3_text')
+                 or not m.get('final_softcap') and not m.get('query_scale_dim'))
+            and (not gemma or m.get('tie_embeddings')))
+    if model_type == 'mistral':
+      return base and bool(m.get('sliding_window')) and not m.get('global_every')
+    if model_type in ('gemma2', 'gemma3_text'):
+      return base
+    return base and not m.get('sliding_window')
+  return matches
 
 
 # ViT (ViTForImageClassification): patches, class token, pre-norm blocks with biases, head.
@@ -330,12 +487,19 @@ def _vit_image(fields: dict, params: dict) -> dict:
           'image_size': fields['patch_size'] * math.isqrt(positions.shape[0] - 1)}
 
 
+def _decoder(model_type: str) -> 'Architecture':
+  return Architecture(_HF_CLASS[model_type], 'transformer_lm', TEXT, _decoder_from_hf(model_type),
+                      _decoder_to_hf(model_type), _decoder_tensors, _decoder_matches(model_type),
+                      ignored=('.rotary_emb.inv_freq',))
+
+
+# Export picks the first layout a model's fields match: the most specific first.
 ARCHITECTURES = {
     'gpt2': Architecture('GPT2LMHeadModel', 'transformer_lm', TEXT, _gpt2_from_hf, _gpt2_to_hf,
                          _gpt2_tensors, _gpt2_matches,
                          ignored=('.attn.bias', '.attn.masked_bias', 'lm_head.weight')),
-    'llama': Architecture('LlamaForCausalLM', 'transformer_lm', TEXT, _llama_from_hf, _llama_to_hf,
-                          _llama_tensors, _llama_matches, ignored=('.rotary_emb.inv_freq',)),
+    **{t: _decoder(t) for t in ('gemma3_text', 'gemma2', 'gemma', 'qwen3', 'qwen2', 'mistral',
+                                'llama')},
     'vit': Architecture('ViTForImageClassification', 'vit', IMAGES, _vit_from_hf, _vit_to_hf,
                         _vit_tensors, _vit_matches,
                         ignored=('vit.pooler.dense.weight', 'vit.pooler.dense.bias'),
@@ -347,8 +511,8 @@ def _refuse(unsupported: dict, model_type: str) -> None:
   if unsupported:
     settings = ', '.join(f'{k}={v!r}' for k, v in unsupported.items())
     raise ConfigError(f'--hf_dir: this {model_type} model uses {settings}, which zoo does not '
-                      'implement; supported: plain GPT-2, Llama (default rotary scaling, no '
-                      'biases) and ViT (ViTForImageClassification)')
+                      'implement (config.json); docs/pretrained.md lists what each supported '
+                      'layout covers')
 
 
 def architecture(hf_config: dict) -> tuple[str, 'Architecture']:
@@ -356,8 +520,7 @@ def architecture(hf_config: dict) -> tuple[str, 'Architecture']:
   model_type = hf_config.get('model_type')
   if model_type not in ARCHITECTURES:
     raise ConfigError(f'--hf_dir: model_type {model_type!r} is not supported; supported: '
-                      f'{", ".join(ARCHITECTURES)} (GPT2LMHeadModel, LlamaForCausalLM, '
-                      'ViTForImageClassification)')
+                      f'{", ".join(sorted(ARCHITECTURES))}')
   return model_type, ARCHITECTURES[model_type]
 
 

@@ -15,7 +15,9 @@ from zoo import models
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError
+from zoo.hf import adapters
 from zoo.hf import layouts as hf
+from zoo.models import lora
 from zoo.run import config as cfg
 from zoo.run import setup as setup_lib
 from zoo.run import workdir as workdir_lib
@@ -184,8 +186,10 @@ def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.S
   workdir.write_json('imported.json', {'hf_dir': os.path.abspath(hf_dir),
                                        'model_type': model_type, 'hf_config': hf_config})
   if arch.kind.tokenizer:
-    with open(tokenizer_file, encoding='utf-8') as f:
-      workdir.write_text(TOKENIZER, f.read())
+    for name in (TOKENIZER, *workdir_lib.TOKENIZER_EXTRAS):
+      if os.path.isfile(os.path.join(hf_dir, name)):
+        with open(os.path.join(hf_dir, name), encoding='utf-8') as f:
+          workdir.write_text(name, f.read())
   # Uncompressed: zstd would hold a second copy of the model in host memory until commit.
   manager = checkpoint.make_manager(workdir.path, keep=1, use_async=False, compress=False)
   step = jax.device_put(np.zeros((), np.int32),
@@ -198,22 +202,30 @@ def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.S
   return setup
 
 
-def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30) -> str:
+def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30,
+                 peft: bool = False) -> str:
   """Writes `workdir`'s newest params into a new `hf_dir` that transformers loads; returns
-  the HF model type."""
+  the HF model type. A LoRA run's adapters are merged into the weights they adapt, or with
+  `peft` written alone as a PEFT adapter directory (zoo.hf.adapters). The host holds the
+  params once, beside one shard of the output: each HF tensor is made as its shard is
+  written, and each zoo parameter let go once converted."""
   from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
   config, directory = workdir_lib.load_run(workdir, require_lm=False)
   found = hf.architecture_of(config.model.to_dict())
   if found is None:
+    layouts = ', '.join(sorted(hf.ARCHITECTURES))
     raise ConfigError(f'--workdir: {workdir} trained a {config.model.get("name")!r} model that '
-                      f'matches none of the layouts export writes ({", ".join(hf.ARCHITECTURES)}: '
+                      f'matches none of the layouts export writes ({layouts}: '
                       'see zoo.hf.layouts); import one of those to fine-tune it')
   model_type, arch = found
+  spec = lora.of(config.model.get('lora') or {})
+  if peft:
+    adapters.check(model_type, spec)
   _check_local(hf_dir)
   if os.path.exists(hf_dir) and os.listdir(hf_dir):
     raise ConfigError(f'--hf_dir: {hf_dir} exists and is not empty; give a new directory')
   tokenizer_file = workdir_lib.tokenizer_file(workdir, config)
-  if arch.kind.tokenizer and not tokenizer_file:
+  if arch.kind.tokenizer and not tokenizer_file and not peft:
     raise ConfigError(f'--workdir: {workdir} has no tokenizer.json (nor has its data.path); '
                       'export needs the tokenizer the model was trained with')
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -221,16 +233,23 @@ def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30) ->
   target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), shapes)
   restored, step, _ = checkpoint.restore_params(directory, target, field='--workdir')
   params = _flat(restored)
+  del restored
   fields = {k: v for k, v in config.model.to_dict().items() if v is not None}  # None: data's.
   if arch.kind.size_field not in fields:  # Its data's size.
     fields = {**workdir_lib.run_dataset(workdir, config).model_fields, **fields}
   fields = arch.from_params(hf.with_defaults(fields), params)
-  tensors = {}
-  for tensor in arch.tensors(fields):
-    tensors[tensor.name] = np.ascontiguousarray(
-        tensor.to_hf(*(np.asarray(params[p]) for p in tensor.zoo)), np.float32)
   os.makedirs(hf_dir, exist_ok=True)
-  _write_safetensors(tensors, hf_dir, max_shard_bytes, save_file)
+  if peft:
+    imported = Workdir(workdir)
+    base = (imported.read_json('imported.json').get('hf_dir') if imported.has('imported.json')
+            else None)
+    adapters.write(hf_dir, params, spec, fields['num_layers'], base, save_file)
+    logging.info('exported the LoRA adapters of step %d of %s (%s, rank %d) to %s', step,
+                 workdir, model_type, spec.rank, hf_dir)
+    return model_type
+  if spec.rank:
+    adapters.merge(params, spec)
+  _write_safetensors(arch.tensors(fields), params, hf_dir, max_shard_bytes, save_file)
   hf_config = {**arch.to_hf(fields), 'torch_dtype': 'float32', 'dtype': 'float32'}
   if tokenizer_file:  # Generation stops at the tokenizer's end token, not HF's default's.
     hf_config.update(_special_ids(tokenizer_lib.load(
@@ -240,6 +259,10 @@ def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30) ->
   if tokenizer_file:
     with open(os.path.join(hf_dir, TOKENIZER), 'w', encoding='utf-8') as f:
       f.write(storage.read_text(tokenizer_file))
+  for extra in workdir_lib.TOKENIZER_EXTRAS:  # The chat template, special tokens.
+    if Workdir(workdir).has(extra):
+      with open(os.path.join(hf_dir, extra), 'w', encoding='utf-8') as f:
+        f.write(Workdir(workdir).read_text(extra))
   logging.info('exported step %d of %s as %s (%s) to %s', step, workdir, arch.hf_class,
                model_type, hf_dir)
   return model_type
@@ -254,23 +277,31 @@ def _special_ids(tokenizer) -> dict:
   return {'bos_token_id': bos if bos >= 0 else None, 'eos_token_id': eos if eos >= 0 else None}
 
 
-def _write_safetensors(tensors: dict, hf_dir: str, max_bytes: int, save_file) -> None:
-  """One model.safetensors, or shards of at most `max_bytes` with HF's index."""
+def _write_safetensors(tensors: list, params: dict, hf_dir: str, max_bytes: int,
+                       save_file) -> None:
+  """One model.safetensors, or shards of at most `max_bytes` with HF's index, as float32.
+  A shard's tensors are made from `params` just before it is written, and the zoo
+  parameters they came from are dropped from `params`."""
   groups, size = [[]], 0
-  for name, x in tensors.items():
-    if groups[-1] and size + x.nbytes > max_bytes:
+  for tensor in tensors:
+    nbytes = math.prod(tensor.shape) * 4
+    if groups[-1] and size + nbytes > max_bytes:
       groups.append([])
       size = 0
-    groups[-1].append(name)
-    size += x.nbytes
-  if len(groups) == 1:
-    save_file(tensors, os.path.join(hf_dir, WEIGHTS), metadata={'format': 'pt'})
-    return
-  weight_map = {}
-  for i, names in enumerate(groups):
-    file = f'model-{i + 1:05d}-of-{len(groups):05d}.safetensors'
-    save_file({n: tensors[n] for n in names}, os.path.join(hf_dir, file), metadata={'format': 'pt'})
-    weight_map.update({n: file for n in names})
-  with open(os.path.join(hf_dir, INDEX), 'w', encoding='utf-8') as f:
-    json.dump({'metadata': {'total_size': sum(x.nbytes for x in tensors.values())},
-               'weight_map': weight_map}, f, indent=2)
+    groups[-1].append(tensor)
+    size += nbytes
+  files = ([WEIGHTS] if len(groups) == 1 else
+           [f'model-{i + 1:05d}-of-{len(groups):05d}.safetensors' for i in range(len(groups))])
+  weight_map, total = {}, 0
+  for file, group in zip(files, groups):
+    shard = {}
+    for tensor in group:
+      shard[tensor.name] = np.ascontiguousarray(
+          tensor.to_hf(*(np.asarray(params.pop(p)) for p in tensor.zoo)), np.float32)
+      total += shard[tensor.name].nbytes
+    save_file(shard, os.path.join(hf_dir, file), metadata={'format': 'pt'})
+    weight_map.update({name: file for name in shard})
+    del shard
+  if len(groups) > 1:
+    with open(os.path.join(hf_dir, INDEX), 'w', encoding='utf-8') as f:
+      json.dump({'metadata': {'total_size': total}, 'weight_map': weight_map}, f, indent=2)

@@ -54,9 +54,10 @@ def embedding_table(module: nn.Module, vocab_size: int, d_model: int, dtype: Any
 
 
 def vocab_logits(module: nn.Module, x_BLD: jax.Array, vocab_size: int, dtype: Any,
-                 embed_VD: Optional[jax.Array] = None) -> jax.Array:
+                 embed_VD: Optional[jax.Array] = None, softcap: float = 0.0) -> jax.Array:
   """Float32 logits over the padded vocabulary, by a 'head' [D, V] or, tied, the embedding
-  table `embed_VD`; padding ids get -1e30 (never sampled)."""
+  table `embed_VD`, soft-capped to (-softcap, softcap) if given (Gemma 2); padding ids get
+  -1e30 (never sampled)."""
   vocab = padded_vocab_size(vocab_size)
   if embed_VD is None:
     head_DV = param(module, 'head', (x_BLD.shape[-1], vocab), ('embed', 'vocab'), dtype)
@@ -64,4 +65,38 @@ def vocab_logits(module: nn.Module, x_BLD: jax.Array, vocab_size: int, dtype: An
   else:
     logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, embed_VD, preferred_element_type=jnp.float32)
   logits_BLV = nn.with_logical_constraint(logits_BLV, ('act_batch', 'act_len', 'act_vocab'))
+  if softcap:
+    logits_BLV = softcap * jnp.tanh(logits_BLV / softcap)
   return jnp.where(jnp.arange(vocab) < vocab_size, logits_BLV, -1e30)
+
+
+NORMS = ('layer', 'rms', 'rms_offset')
+
+
+class OffsetRMSNorm(nn.Module):
+  """RMSNorm scaled by (1 + scale), scale starting at 0 (Gemma's), in float32."""
+  epsilon: float
+  dtype: Any
+  axes: tuple = ('embed',)
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param('scale', partitioned(nn.initializers.zeros_init(), self.axes),
+                       (x.shape[-1],))
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+    return (y * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
+
+
+def norm(kind: str, epsilon: float, dtype: Any, name: str, axes: Sequence = ('embed',)
+         ) -> nn.Module:
+  """A normalisation layer over the last axis (logical `axes`): 'layer' (LayerNorm, scale
+  and bias), 'rms' (RMSNorm, scale) or 'rms_offset' (RMSNorm by 1 + scale)."""
+  axes = tuple(axes)
+  scale = partitioned(nn.initializers.ones_init(), axes)
+  if kind == 'rms':
+    return nn.RMSNorm(name=name, dtype=dtype, epsilon=epsilon, scale_init=scale)
+  if kind == 'rms_offset':
+    return OffsetRMSNorm(epsilon, dtype, axes, name=name)
+  return nn.LayerNorm(name=name, dtype=dtype, epsilon=epsilon, scale_init=scale,
+                      bias_init=partitioned(nn.initializers.zeros_init(), axes))

@@ -20,11 +20,20 @@ mesh axis (Megatron-LM, arXiv:1909.08053). The switches every Transformer family
   repeated), `head_dim`, `norm` ('layer': LayerNorm with bias, or 'rms': RMSNorm) and
   `norm_epsilon`, `mlp_activation` ('gelu' with the tanh approximation, 'gelu_exact', or
   'swiglu': SiLU-gated, Shazeer arXiv:2002.05202), `use_bias` (biases on every projection);
-  GPT-2, Llama and HF's ViT are settings of these (zoo/convert.py);
+  `qkv_bias` (biases on queries, keys and values only: Qwen2), `qk_norm` (each head's
+  queries and keys normalised: Qwen3, Gemma 3), norm 'rms_offset' (RMSNorm by 1 + scale:
+  Gemma), mlp_activation 'geglu' (tanh-GELU-gated: Gemma), `post_norms` (each branch's
+  output normalised too: Gemma 2, 3), `embed_scale` (embeddings times sqrt(d_model):
+  Gemma), `query_scale_dim` (scores scaled by its inverse square root), `attn_softcap` and
+  `final_softcap` (Gemma 2), `sliding_window` with `global_every` (local layers: Mistral,
+  Gemma 2, 3; zoo.models.attention), `rope_scaling` 'linear' or 'llama3' with its
+  factors, and `rope_local_theta` (local layers' own rotary base: Gemma 3); GPT-2, Llama,
+  Mistral, Qwen2/3, Gemma 1-3 and HF's ViT are settings of these (zoo.hf.layouts);
+- `lora`: low-rank adapters on the projections it names (zoo.models.lora);
 - `attention`: 'xla' or 'cudnn' (fused, on NVIDIA GPUs), jax.nn.dot_product_attention's
   implementations, or 'splash', the Pallas TPU kernel that never holds the L x L scores
-  (zoo.models.splash; interpreted off TPU). Each takes segment ids: packed documents
-  (zoo.data.packing) attend only within themselves.
+  (zoo.models.splash; interpreted off TPU; no sliding windows or soft caps). Each takes
+  segment ids: packed documents (zoo.data.packing) attend only within themselves.
 
 With `decode=True` a model keeps a key/value cache of `max_len` positions in the 'cache'
 collection, sharded over heads like the activations, and appends to it: a prompt's
@@ -48,8 +57,10 @@ import ml_collections
 import numpy as np
 
 from zoo.errors import fail
-from zoo.models import splash
-from zoo.models.layers import param, partitioned
+from zoo.models import lora as lora_lib
+from zoo.models import rope as rope_lib
+from zoo.models.attention import Attention
+from zoo.models.layers import NORMS, norm as norm_layer, param
 
 REMAT_POLICIES = {
     'none': None,
@@ -59,8 +70,7 @@ REMAT_POLICIES = {
 }
 DTYPES = ('float32', 'bfloat16')
 POSITIONS = ('learned', 'rotary')
-NORMS = ('layer', 'rms')
-MLP_ACTIVATIONS = ('gelu', 'gelu_exact', 'swiglu')
+MLP_ACTIVATIONS = ('gelu', 'gelu_exact', 'swiglu', 'geglu')
 ATTENTION = ('xla', 'cudnn', 'splash')
 
 
@@ -78,6 +88,22 @@ class Transformer(nn.Module):
   mlp_activation: str = 'gelu'
   use_bias: bool = False
   rope_theta: float = 10000.0
+  rope_scaling: str = 'none'     # 'linear' or 'llama3': the global layers' frequencies.
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0   # llama3's ramp, over wavelengths of
+  rope_high_freq_factor: float = 4.0  # rope_original_max_len / these.
+  rope_original_max_len: int = 0
+  rope_local_theta: float = 0.0  # Local layers' own base, unscaled (Gemma 3); 0: as global.
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  post_norms: bool = False
+  embed_scale: bool = False
+  query_scale_dim: int = 0       # 0: head size.
+  attn_softcap: float = 0.0      # 0: none.
+  final_softcap: float = 0.0     # 0: none.
+  sliding_window: int = 0        # 0: every layer global.
+  global_every: int = 0          # With a window: layer i is global iff (i + 1) % this == 0.
+  lora: lora_lib.Lora = lora_lib.Lora()
   attention: str = 'xla'
   scan_layers: bool = False
   remat: str = 'none'
@@ -92,6 +118,11 @@ class Transformer(nn.Module):
   @property
   def head_size(self) -> int:
     return self.head_dim or self.d_model // self.num_heads
+
+  def is_local(self, layer: int) -> bool:
+    """Whether layer `layer` (from 0) attends within the sliding window."""
+    return bool(self.sliding_window) and not (
+        self.global_every and (layer + 1) % self.global_every == 0)
 
 
 def check_config(m: ml_collections.ConfigDict) -> None:
@@ -113,9 +144,47 @@ def check_config(m: ml_collections.ConfigDict) -> None:
          f'rotary positions need an even head size, got model.head_dim = {head}')
   if not 0 <= m.get('dropout_rate', 0.0) < 1:
     fail('model.dropout_rate', f'must be in [0, 1), got {m.dropout_rate}')
-  for key in ('norm_epsilon', 'rope_theta'):
-    if key in m and not m[key] > 0:
+  for key in ('norm_epsilon', 'rope_theta', 'rope_factor'):
+    if key in m and not 0 < m[key] < float('inf'):
       fail(f'model.{key}', f'must be positive, got {m[key]}')
+  for key in ('attn_softcap', 'final_softcap', 'rope_local_theta'):
+    if key in m and not 0 <= m[key] < float('inf'):
+      fail(f'model.{key}', f'must be 0 (none) or a positive number, got {m[key]}')
+  if m.get('rope_scaling', 'none') not in rope_lib.SCALINGS:
+    fail('model.rope_scaling', f'unknown scaling {m.rope_scaling!r}; known: '
+         f'{", ".join(rope_lib.SCALINGS)}')
+  if m.get('rope_scaling') == 'llama3' and not (
+      m.get('rope_original_max_len', 0) > 0
+      and 0 < m.get('rope_low_freq_factor', 1.0) < m.get('rope_high_freq_factor', 4.0)):
+    fail('model.rope_scaling', "'llama3' needs rope_original_max_len > 0 and "
+         '0 < rope_low_freq_factor < rope_high_freq_factor')
+  if m.get('attention') == 'splash' and (m.get('sliding_window') or m.get('attn_softcap')):
+    fail('model.attention', "the splash kernel here has no sliding window or soft-capped "
+         "scores; use 'xla' (or 'cudnn' on GPUs) for this model")
+  if 'lora' in m:
+    check_lora(m.lora, m.get('mlp_activation', 'gelu'))
+
+
+def check_lora(spec, mlp_activation: str) -> None:
+  """config.model.lora: a rank, alpha, dropout and projections the model has."""
+  known = {'rank', 'alpha', 'dropout', 'targets'}
+  if not hasattr(spec, 'items') or set(spec.keys()) - known:
+    fail('model.lora', f'must hold {", ".join(sorted(known))}, got {spec!r}')
+  rank, alpha, dropout = spec.get('rank', 0), spec.get('alpha', 0.0), spec.get('dropout', 0.0)
+  if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank <= 65536:
+    fail('model.lora.rank', f'must be an integer in [0, 65536] (0: no adapters), got {rank!r}')
+  if not 0 <= alpha < float('inf'):
+    fail('model.lora.alpha', f'must be >= 0 (0: the rank, a scale of 1), got {alpha}')
+  if not 0 <= dropout < 1:
+    fail('model.lora.dropout', f'must be in [0, 1), got {dropout}')
+  targets = spec.get('targets', ())
+  gated = mlp_activation in ('swiglu', 'geglu')
+  has = [p for p in lora_lib.PROJECTIONS if p != ('wi' if gated else 'wi_gate')
+         and p != ('wi' if gated else 'wi_up')]
+  if isinstance(targets, str) or not targets or not all(isinstance(t, str) for t in targets) \
+      or set(targets) - set(has):
+    fail('model.lora.targets', f'must be a tuple of this model\'s projections among '
+         f'{", ".join(has)}, got {targets!r}')
 
 
 def check_lengths(m: ml_collections.ConfigDict, inputs: Sequence[np.ndarray]) -> None:
@@ -137,7 +206,15 @@ class Spec:
   norm_epsilon: float
   mlp_activation: str
   use_bias: bool
-  rope_theta: float
+  qkv_bias: bool
+  qk_norm: bool
+  post_norms: bool
+  query_scale_dim: int
+  attn_softcap: float
+  sliding_window: int
+  rope: rope_lib.Rope
+  local_rope: Optional[rope_lib.Rope]
+  lora: lora_lib.Lora
   attention: str
   dtype: str
   dropout_rate: float
@@ -145,136 +222,43 @@ class Spec:
 
   @classmethod
   def of(cls, module: Transformer) -> 'Spec':
-    return cls(**{f.name: getattr(module, f.name) for f in dataclasses.fields(cls)})
+    direct = {f.name for f in dataclasses.fields(cls)} - {'rope', 'local_rope'}
+    global_rope = rope_lib.Rope(
+        module.rope_theta, module.rope_scaling, module.rope_factor, module.rope_low_freq_factor,
+        module.rope_high_freq_factor, module.rope_original_max_len)
+    local_rope = rope_lib.Rope(module.rope_local_theta) if module.rope_local_theta else None
+    return cls(rope=global_rope, local_rope=local_rope,
+               **{name: getattr(module, name) for name in direct})
 
 
 def norm(module: 'Transformer | Spec', name: str) -> nn.Module:
-  """The module's normalisation layer: LayerNorm (scale and bias) or RMSNorm (scale)."""
-  scale = partitioned(nn.initializers.ones_init(), ('embed',))
-  if module.norm == 'rms':
-    return nn.RMSNorm(name=name, dtype=module.dtype, epsilon=module.norm_epsilon, scale_init=scale)
-  return nn.LayerNorm(name=name, dtype=module.dtype, epsilon=module.norm_epsilon, scale_init=scale,
-                      bias_init=partitioned(nn.initializers.zeros_init(), ('embed',)))
-
-
-def rotate(x_BLNH: jax.Array, positions_BL: jax.Array, theta: float = 10000.0) -> jax.Array:
-  """Rotary position embedding: pairs of features (i, i + H/2) turn by the angle
-  position / theta^(2i/H), Hugging Face's `rotate_half` layout."""
-  half = x_BLNH.shape[-1] // 2
-  freq_H = 1.0 / (theta ** (jnp.arange(half, dtype=jnp.float32) / half))
-  angle_BLH = positions_BL.astype(jnp.float32)[..., None] * freq_H
-  cos, sin = jnp.cos(angle_BLH)[:, :, None], jnp.sin(angle_BLH)[:, :, None]  # [B, L, 1, H/2]
-  x1, x2 = jnp.split(x_BLNH.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLNH.dtype)
-
-
-class Attention(nn.Module):
-  """Multi-head or grouped-query attention: self-attention, or cross-attention to
-  `context_BMD`, through jax.nn.dot_product_attention."""
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  causal: bool = False
-  rotary: bool = False
-  rope_theta: float = 10000.0
-  use_bias: bool = False
-  implementation: str = 'xla'
-  dtype: str = 'float32'
-  decode: bool = False
-  cache_length: int = 0
-
-  def _project(self, name, y_BLD, heads, axes, act):
-    w_DNH = param(self, name, (y_BLD.shape[-1], heads, self.head_dim), axes, self.dtype)
-    y_BLNH = jnp.einsum('BLD,DNH->BLNH', y_BLD, w_DNH)
-    if self.use_bias:
-      y_BLNH = y_BLNH + param(self, f'{name}_bias', (heads, self.head_dim), axes[1:], self.dtype,
-                              nn.initializers.zeros_init())
-    return nn.with_logical_constraint(y_BLNH, act)
-
-  @nn.compact
-  def __call__(self, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None,
-               positions_BL: Optional[jax.Array] = None,
-               start_B: Optional[jax.Array] = None,
-               segments_BL: Optional[jax.Array] = None) -> jax.Array:
-    """`segments_BL` (self-attention): a query sees only keys of its own segment (packed
-    documents, zoo.data.packing)."""
-    kv_BMD = x_BLD if context_BMD is None else context_BMD
-    d_model = x_BLD.shape[-1]
-    grouped = self.num_kv_heads != self.num_heads
-    act = ('act_batch', 'act_len', 'act_heads', 'act_kv')
-    kv_act = ('act_batch', 'act_len', 'act_kv_heads' if grouped else 'act_heads', 'act_kv')
-    kv_axes = ('embed', 'kv_heads' if grouped else 'heads', 'kv')
-    q_BLNH = self._project('query', x_BLD, self.num_heads, ('embed', 'heads', 'kv'), act)
-    k_BMGH = self._project('key', kv_BMD, self.num_kv_heads, kv_axes, kv_act)
-    v_BMGH = self._project('value', kv_BMD, self.num_kv_heads, kv_axes, kv_act)
-    if positions_BL is None:
-      positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
-    if self.rotary:
-      q_BLNH = rotate(q_BLNH, positions_BL, self.rope_theta)
-      k_BMGH = rotate(k_BMGH, positions_BL, self.rope_theta)
-    mask, causal, out_BLNH = None, self.causal, None
-    if self.decode:
-      k_BMGH, v_BMGH, mask = self._extend_cache(k_BMGH, v_BMGH, start_B, kv_act)
-      causal = False  # The cache mask is causal.
-    elif segments_BL is not None:
-      mask = (segments_BL[:, :, None] == segments_BL[:, None, :])[:, None]  # [B, 1, L, M]
-    if self.implementation == 'splash' and not self.is_initializing():  # Init: shapes only.
-      if self.decode:
-        splash.fallback('decoding from a key/value cache')
-      else:
-        out_BLNH = splash.attention(q_BLNH, k_BMGH, v_BMGH, causal, kv_act[2], segments_BL)
-    if out_BLNH is None:
-      out_BLNH = jax.nn.dot_product_attention(
-          q_BLNH, k_BMGH, v_BMGH, mask=mask, is_causal=causal,
-          implementation=None if self.implementation == 'splash' else self.implementation)
-    out_BLNH = nn.with_logical_constraint(out_BLNH, act)
-    w_NHD = param(self, 'out', (self.num_heads, self.head_dim, d_model), ('heads', 'kv', 'embed'),
-                  self.dtype)
-    out_BLD = jnp.einsum('BLNH,NHD->BLD', out_BLNH, w_NHD)
-    if self.use_bias:
-      out_BLD = out_BLD + param(self, 'out_bias', (d_model,), ('embed',), self.dtype,
-                                nn.initializers.zeros_init())
-    return out_BLD
-
-  def _extend_cache(self, k_BLGH, v_BLGH, start_B, kv_act):
-    """Writes this call's keys and values at the cache's next positions; returns the whole
-    cache and the mask [B, 1, L, S]: a query sees its row's positions from start_B (left
-    padding before it) up to its own."""
-    batch, length = k_BLGH.shape[:2]
-    shape = (batch, self.cache_length, self.num_kv_heads, self.head_dim)
-    cached_k = self.variable('cache', 'key', jnp.zeros, shape, k_BLGH.dtype)
-    cached_v = self.variable('cache', 'value', jnp.zeros, shape, v_BLGH.dtype)
-    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
-    i = index.value
-    cached_k.value = nn.with_logical_constraint(
-        jax.lax.dynamic_update_slice(cached_k.value, k_BLGH, (0, i, 0, 0)), kv_act)
-    cached_v.value = nn.with_logical_constraint(
-        jax.lax.dynamic_update_slice(cached_v.value, v_BLGH, (0, i, 0, 0)), kv_act)
-    index.value = i + length
-    if start_B is None:
-      start_B = jnp.zeros((batch,), jnp.int32)
-    slots_S = jnp.arange(self.cache_length)
-    query_L = i + jnp.arange(length)
-    mask_BLS = (slots_S[None, None, :] <= query_L[None, :, None]) & (
-        slots_S[None, None, :] >= start_B[:, None, None])
-    return cached_k.value, cached_v.value, mask_BLS[:, None]
+  """The module's normalisation layer over d_model (zoo.models.layers.norm)."""
+  return norm_layer(module.norm, module.norm_epsilon, module.dtype, name)
 
 
 class MlpBlock(nn.Module):
-  """Two-layer MLP (GELU) or SiLU-gated one (SwiGLU); the hidden units are split over 'model'."""
+  """Two-layer MLP (GELU) or gated one (SwiGLU: SiLU, GeGLU: tanh GELU); the hidden units
+  are split over 'model'."""
   mlp_dim: int
   activation: str = 'gelu'
   use_bias: bool = False
   dtype: str = 'float32'
+  lora: lora_lib.Lora = lora_lib.Lora()
+  deterministic: bool = True
 
   @nn.compact
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
     d_model = x_BLD.shape[-1]
-    dense = lambda name, y, w_shape, axes: jnp.einsum(
-        'BLD,DF->BLF', y, param(self, name, w_shape, axes, self.dtype))
-    if self.activation == 'swiglu':
+
+    def dense(name, y, w_shape, axes):
+      w = param(self, name, w_shape, axes, self.dtype)
+      return lora_lib.einsum(self, self.lora, name, 'D', 'F', y, w, axes, self.dtype,
+                             self.deterministic)
+    if self.activation in ('swiglu', 'geglu'):
       gate_BLF = dense('wi_gate', x_BLD, (d_model, self.mlp_dim), ('embed', 'mlp'))
-      h_BLF = nn.silu(gate_BLF) * dense('wi_up', x_BLD, (d_model, self.mlp_dim), ('embed', 'mlp'))
+      gate_BLF = (nn.silu(gate_BLF) if self.activation == 'swiglu'
+                  else nn.gelu(gate_BLF, approximate=True))
+      h_BLF = gate_BLF * dense('wi_up', x_BLD, (d_model, self.mlp_dim), ('embed', 'mlp'))
     else:
       h_BLF = dense('wi', x_BLD, (d_model, self.mlp_dim), ('embed', 'mlp'))
       if self.use_bias:
@@ -290,9 +274,12 @@ class MlpBlock(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block: self-attention, optional cross-attention, MLP.
+  """Pre-norm residual block: self-attention, optional cross-attention, MLP; with
+  `post_norms` each branch's output is normalised too before it is added (Gemma 2).
 
   Returns (x, None) so that the same block runs unrolled or as the body of `nn.scan`.
+  `local`: the layer attends within the sliding window; None: the call's `local` argument
+  says (a traced flag, when layers differ under nn.scan).
   """
   spec: Spec                 # The family's sizes and switches.
   causal: bool = False
@@ -300,25 +287,35 @@ class Block(nn.Module):
   rotary: bool = False
   cache_length: int = 0
   deterministic: bool = True
+  local: Optional[bool] = False
 
   @nn.compact
   def __call__(self, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None,
                positions_BL: Optional[jax.Array] = None,
                start_B: Optional[jax.Array] = None,
-               segments_BL: Optional[jax.Array] = None) -> tuple[jax.Array, None]:
+               segments_BL: Optional[jax.Array] = None,
+               local: Optional[jax.Array] = None) -> tuple[jax.Array, None]:
     s = self.spec
     drop = lambda y: nn.Dropout(s.dropout_rate)(y, deterministic=self.deterministic)
     attention = dict(num_heads=s.num_heads, head_dim=s.head_size, use_bias=s.use_bias,
-                     implementation=s.attention, dtype=s.dtype)
-    x_BLD = x_BLD + drop(Attention(
-        num_kv_heads=s.kv_heads, causal=self.causal, rotary=self.rotary, rope_theta=s.rope_theta,
-        decode=s.decode, cache_length=self.cache_length, **attention, name='attn')(
-            norm(s, 'ln_attn')(x_BLD), None, positions_BL, start_B, segments_BL))
+                     implementation=s.attention, dtype=s.dtype, lora=s.lora,
+                     deterministic=self.deterministic)
+
+    def branch(y_BLD, name):  # A branch's output, normalised with post_norms.
+      return drop(norm(s, f'{name}_out')(y_BLD) if s.post_norms else y_BLD)
+    x_BLD = x_BLD + branch(Attention(
+        num_kv_heads=s.kv_heads, causal=self.causal, rotary=self.rotary, rope=s.rope,
+        local_rope=s.local_rope, qkv_bias=s.qkv_bias, qk_norm=s.norm if s.qk_norm else '',
+        norm_epsilon=s.norm_epsilon, query_scale_dim=s.query_scale_dim, softcap=s.attn_softcap,
+        window=s.sliding_window, decode=s.decode, cache_length=self.cache_length, **attention,
+        name='attn')(norm(s, 'ln_attn')(x_BLD), None, positions_BL, start_B, segments_BL,
+                     self.local if self.local is not None else local), 'ln_attn')
     if self.cross:
       x_BLD = x_BLD + drop(Attention(num_kv_heads=s.num_heads, **attention, name='cross_attn')(
           norm(s, 'ln_cross')(x_BLD), context_BMD))
-    x_BLD = x_BLD + drop(MlpBlock(s.mlp_dim, s.mlp_activation, s.use_bias, s.dtype, name='mlp')(
-        norm(s, 'ln_mlp')(x_BLD)))
+    x_BLD = x_BLD + branch(MlpBlock(
+        s.mlp_dim, s.mlp_activation, s.use_bias, s.dtype, s.lora, self.deterministic,
+        name='mlp')(norm(s, 'ln_mlp')(x_BLD)), 'ln_mlp')
     return nn.with_logical_constraint(x_BLD, ('act_batch', 'act_len', 'act_embed')), None
 
 
@@ -340,15 +337,19 @@ def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Arra
   fields = dict(spec=Spec.of(module), causal=causal, cross=cross, rotary=rotary,
                 cache_length=cache_length, deterministic=not train)
   extra = (context_BMD, positions_BL, start_B, segments_BL)  # The same for every block.
+  local = [module.is_local(i) for i in range(module.num_layers)]
   if module.scan_layers:
+    mixed = len(set(local)) > 1  # Then each layer's flag is scanned over, with its params.
     stack = nn.scan(cls, variable_axes={'params': 0, 'cache': 0},
                     split_rngs={'params': True, 'dropout': True},
-                    in_axes=(nn.broadcast,) * len(extra), length=module.num_layers,
-                    metadata_params={nn.PARTITION_NAME: 'layers'})
-    x_BLD, _ = stack(**fields, name=f'{prefix}s')(x_BLD, *extra)
+                    in_axes=(nn.broadcast,) * len(extra) + ((0,) if mixed else ()),
+                    length=module.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
+    flags = (jnp.array(local),) if mixed else ()
+    x_BLD, _ = stack(**fields, local=None if mixed else local[0], name=f'{prefix}s')(
+        x_BLD, *extra, *flags)
     return x_BLD
   for i in range(module.num_layers):
-    x_BLD, _ = cls(**fields, name=f'{prefix}_{i}')(x_BLD, *extra)
+    x_BLD, _ = cls(**fields, local=local[i], name=f'{prefix}_{i}')(x_BLD, *extra)
   return x_BLD
 
 

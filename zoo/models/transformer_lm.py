@@ -9,6 +9,7 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zoo.models import layers, transformer
 from zoo.models.family import ModelFamily
@@ -18,7 +19,8 @@ class TransformerLM(transformer.Transformer, kw_only=True):
   """Token ids [B, L] -> next-token logits [B, L, padded vocab] in float32.
 
   GPT-2 is learned positions, LayerNorm, 'gelu', use_bias and tie_embeddings; Llama is
-  rotary positions, 'rms', 'swiglu', num_kv_heads and an untied head (zoo.convert).
+  rotary positions, 'rms', 'swiglu', num_kv_heads and an untied head; Mistral, Qwen and
+  Gemma add the switches of zoo.models.transformer (zoo.hf.layouts).
   """
   vocab_size: int
   max_len: int
@@ -36,6 +38,8 @@ class TransformerLM(transformer.Transformer, kw_only=True):
     zoo.models.decode."""
     embed_VD = layers.embedding_table(self, self.vocab_size, self.d_model, self.dtype)
     x_BLD = jnp.take(embed_VD, tokens_BL, axis=0)
+    if self.embed_scale:  # Gemma: sqrt(d_model), in the computation dtype as HF rounds it.
+      x_BLD = x_BLD * jnp.asarray(np.float32(self.d_model) ** np.float32(0.5), x_BLD.dtype)
     # Tests take gradients with respect to the embedded inputs here (see transformer_test.py).
     x_BLD = self.perturb('embedded', x_BLD)
     x_BLD = transformer.embed_positions(self, x_BLD, self.positions, self.max_len, 'pos_embed',
@@ -46,7 +50,7 @@ class TransformerLM(transformer.Transformer, kw_only=True):
                                cache_length=self.max_len)
     x_BLD = transformer.norm(self, 'ln_final')(x_BLD)
     return layers.vocab_logits(self, x_BLD, self.vocab_size, self.dtype,
-                               embed_VD if self.tie_embeddings else None)
+                               embed_VD if self.tie_embeddings else None, self.final_softcap)
 
 
 def train_flops(model: TransformerLM, batch_size: int, seq_len: int) -> int:

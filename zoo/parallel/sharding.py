@@ -30,6 +30,7 @@ LOGICAL_AXES = {
     'conv_height': (None, 'rows of a convolution kernel'),
     'conv_width': (None, 'columns of a convolution kernel'),
     'layers': (None, 'stacked layers of an nn.scan (model.scan_layers); replicated'),
+    'lora': (None, 'rank of a LoRA adapter (zoo.models.lora; small, so replicated)'),
     # Activations.
     'act_batch': ('batch', 'examples of the global batch (data parallel)'),
     'act_len': (None, 'sequence positions'),

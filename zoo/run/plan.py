@@ -89,6 +89,11 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
           'batch': sharding.per_device_bytes(setup.batch)}
   held['other'] = sharding.per_device_bytes(state) - held['params'] - held['optimizer'] - \
       held['model_state']  # The step counter.
+  if setup.trainable:  # LoRA: what a full fine-tune's optimizer would hold, to compare.
+    full = config.copy_and_resolve_references()
+    full.model.lora.rank = 0
+    held['optimizer_full_fine_tune'] = sharding.per_device_bytes(setup_lib.build(
+        full, setup.dataset, mesh=setup.mesh, rules=setup.rules).abstract_state().opt_state)
   budget = device_memory_gib * 2**30 if device_memory_gib else None
   if budget and train.memory is None and not train.refusal:
     raise ConfigError('--device_memory_gib: this backend gives no memory analysis of the '
@@ -178,10 +183,11 @@ def format_plan(p: dict) -> str:
            sharding.format_param_table(p['params']), '', *_hosts(p), 'per device:']
   held = p['bytes_per_device']
   for key, label in (('params', 'parameters'), ('optimizer', 'optimizer state'),
+                     ('optimizer_full_fine_tune', '  (a full fine-tune: its optimizer'),
                      ('model_state', 'model state (BatchNorm)'), ('batch', 'train batch'),
                      ('other', 'step counter')):
-    if held[key]:
-      lines.append(f'  {label:32s}{_mib(held[key]):>14s}')
+    if held.get(key):
+      lines.append(f'  {label:32s}{_mib(held[key]):>14s}' + (')' if key.endswith('tune') else ''))
   lines += _memory_lines(p)
   if verdict(p):
     lines.append(verdict(p))

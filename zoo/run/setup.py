@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 from zoo import data, models
+from zoo.models import lora
 from zoo.data import choice, feed
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError
@@ -50,6 +51,7 @@ class Setup:
   rng: jax.Array                # The run's key, for initialisation (dropout: steps.dropout_key).
   batch: dict                   # A global train batch's shapes and sharding (ShapeDtypeStructs).
   choice_tasks: tuple = ()      # Multiple-choice tasks evaluated in the loop (zoo.data.choice).
+  trainable: steps.Trainable = None  # LoRA: only the adapters train (zoo.models.lora).
 
   def scope(self) -> contextlib.AbstractContextManager:
     """The mesh and the rules, under which model code is traced (and constraints kept)."""
@@ -78,7 +80,8 @@ class Setup:
     """(state, batch) -> (state, metrics), jitted with the shardings; the state is donated
     and the seed of dropout's keys bound in."""
     step = functools.partial(steps.train_step, seed=self.config.seed, task=self.task,
-                             microbatches=self.config.train.microbatches)
+                             microbatches=self.config.train.microbatches,
+                             trainable=self.trainable)
     return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                    out_shardings=(self.state_shardings, None), donate_argnums=0)
 
@@ -126,13 +129,16 @@ def build(config: ml_collections.ConfigDict, dataset: Dataset,
   batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
            for k, v in example.items()}
   # Zeros on the host: the state's shapes need no device work.
-  init_state = steps.state_initializer(model, optimizer, task, jax.tree.map(np.zeros_like, example))
+  trainable = lora.is_adapter if getattr(model, 'lora', lora.Lora()).rank else None
+  init_state = steps.state_initializer(model, optimizer, task, jax.tree.map(np.zeros_like, example),
+                                       trainable)
   rng = jax.random.key(config.seed)
   with sharding.scope(mesh, rules):
     logical_state = jax.eval_shape(init_state, rng)
   return Setup(config, dataset, family, task, mesh, rules, model, optimizer, lr_schedule,
                batch_sharding, init_state, logical_state,
-               sharding.logical_shardings(logical_state, mesh, rules), rng, batch)
+               sharding.logical_shardings(logical_state, mesh, rules), rng, batch,
+               trainable=trainable)
 
 
 def placed(config: ml_collections.ConfigDict, dataset: Dataset, mesh_shape: str = '',

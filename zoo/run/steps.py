@@ -5,10 +5,11 @@ model's activation constraints are kept; a Setup's jit_train_step() and friends 
 shardings.
 """
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import flax
 import flax.linen as nn
+import flax.traverse_util
 from flax.training import train_state
 import jax
 import jax.numpy as jnp
@@ -26,14 +27,37 @@ class TrainState(train_state.TrainState):
   model_state: Any = flax.struct.field(default_factory=dict)
 
 
+# Which parameters train, by their path of names; None: all of them. With LoRA, the
+# adapters only (zoo.models.lora.is_adapter): the rest get no gradient, no optimizer state.
+Trainable = Optional[Callable[[tuple], bool]]
+
+
+def split(params: Any, trainable: Callable[[tuple], bool]) -> tuple[dict, dict]:
+  """(the trainable parameters, the frozen ones), each a nested dict of the same paths."""
+  flat = flax.traverse_util.flatten_dict(params)
+  unflat = flax.traverse_util.unflatten_dict
+  return (unflat({k: v for k, v in flat.items() if trainable(k)}),
+          unflat({k: v for k, v in flat.items() if not trainable(k)}))
+
+
+def merge(trained: dict, frozen: dict) -> dict:
+  """The whole parameter tree again from split's two parts."""
+  flat = {**flax.traverse_util.flatten_dict(trained), **flax.traverse_util.flatten_dict(frozen)}
+  return flax.traverse_util.unflatten_dict(flat)
+
+
 def state_initializer(model: nn.Module, optimizer: optax.GradientTransformation, task: Task,
-                      example_batch: dict) -> Callable[[jax.Array], TrainState]:
-  """rng -> a fresh TrainState whose leaves are nn.Partitioned boxes with logical axis names."""
+                      example_batch: dict, trainable: Trainable = None
+                      ) -> Callable[[jax.Array], TrainState]:
+  """rng -> a fresh TrainState whose leaves are nn.Partitioned boxes with logical axis names;
+  the optimizer's state covers only the `trainable` parameters."""
   def init_state(rng):
     variables = model.init({'params': rng, 'dropout': rng}, *task.model_inputs(example_batch),
                            **task.model_keywords(example_batch))
-    return TrainState.create(
-        apply_fn=model.apply, params=variables['params'], tx=optimizer,
+    params = variables['params']
+    return TrainState(
+        step=0, apply_fn=model.apply, params=params, tx=optimizer,
+        opt_state=optimizer.init(split(params, trainable)[0] if trainable else params),
         model_state={k: variables[k] for k in STATE_COLLECTIONS if k in variables})
   return init_state
 
@@ -64,7 +88,7 @@ def dropout_key(seed: int, step: jax.Array) -> jax.Array:
 
 
 def train_step(state: TrainState, batch: dict, seed: int, task: Task,
-               microbatches: int = 1) -> tuple[TrainState, dict]:
+               microbatches: int = 1, trainable: Trainable = None) -> tuple[TrainState, dict]:
   """One optimizer step on a global batch; returns the new state, the loss and the
   gradient norm (computed once, for the metric and for optim.clip_by_global_norm). The
   loop adds the parameter norm (check_state, a separate program) only at the steps it
@@ -75,30 +99,39 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
   `loss`). With `microbatches` k > 1 each microbatch's share of it is differentiated and
   the k gradients summed in float32 under `lax.scan`: activations of one microbatch live
   at a time, and a microbatch with more padding weighs less, as in the whole batch.
+
+  With `trainable`, only those parameters are differentiated and updated: the frozen
+  ones are constants of the step, so nothing computes, reduces or stores their gradients.
   """
   rng = dropout_key(seed, state.step)
   total = task.counted(batch)
-  grad_fn = jax.value_and_grad(functools.partial(loss, task=task, total=total), has_aux=True)
+  objective = functools.partial(loss, task=task, total=total)
+  trained, frozen = split(state.params, trainable) if trainable else (state.params, None)
+  if trainable:
+    objective = lambda p, *args, f=objective: f(merge(p, frozen), *args)
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
   if microbatches == 1:
-    (mean_loss, model_state), grads = grad_fn(state.params, state, batch, rng)
+    (mean_loss, model_state), grads = grad_fn(trained, state, batch, rng)
   else:
     def accumulate(carry, xs):
       loss_sum, grad_sum, model_state = carry
       index, micro = xs
       micro_state = state.replace(model_state=model_state)
-      (micro_loss, model_state), grads = grad_fn(state.params, micro_state, micro,
+      (micro_loss, model_state), grads = grad_fn(trained, micro_state, micro,
                                                  jax.random.fold_in(rng, index))
       grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
       return (loss_sum + micro_loss, grad_sum, model_state), None
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained)
     micro = jax.tree.map(lambda x: _microbatches(x, microbatches), batch)
     (mean_loss, grads, model_state), _ = jax.lax.scan(
         accumulate, (jnp.zeros((), jnp.float32), zeros, state.model_state),
         (jnp.arange(microbatches), micro))
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
   grad_norm = optax.tree.norm(grads)
-  updates, opt_state = state.tx.update(grads, state.opt_state, state.params, grad_norm=grad_norm)
-  params = optax.apply_updates(state.params, updates)
+  updates, opt_state = state.tx.update(grads, state.opt_state, trained, grad_norm=grad_norm)
+  params = optax.apply_updates(trained, updates)
+  if trainable:
+    params = merge(params, frozen)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             model_state=model_state)
   metrics = {'train/loss': mean_loss, 'train/grad_norm': grad_norm}

@@ -184,7 +184,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
     cleanup.callback(owner.release)
     # From here the workdir is written.
     state, manager = checkpoint.restore_or_init(
-        workdir.path, setup.abstract_state(), setup.create_state, setup.config.checkpoint)
+        workdir.path, setup.abstract_state(), setup.create_state, setup.config.checkpoint,
+        fresh=setup.trainable)
     saver = checkpoint.Saver(manager)
     cleanup.callback(saver.close)  # Waits for the last save: a failure raises from here.
     start = int(state.step)

@@ -17,6 +17,10 @@ from zoo.store import storage
 from zoo.store.workdir import Workdir
 
 TOKENIZER = Workdir.TOKENIZER
+# Beside tokenizer.json, what a Hugging Face tokenizer directory may hold that chat
+# formatting reads (the chat template and the special tokens' strings): kept on import,
+# written on export.
+TOKENIZER_EXTRAS = ('tokenizer_config.json', 'chat_template.jinja', 'special_tokens_map.json')
 
 
 def load_run(workdir: Union[str, Workdir], require_lm: bool = True

@@ -15,6 +15,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from absl import logging
+import flax.traverse_util
 import jax
 from jax.experimental import multihost_utils
 import ml_collections
@@ -243,11 +244,22 @@ def restore_params(path: str, params_target: Any,
   return restored['params'], step, directory
 
 
+def _without(params: Any, fresh: Callable[[tuple], bool]) -> tuple[dict, dict]:
+  """(params but the `fresh` ones, the fresh ones), by their paths of names."""
+  flat = flax.traverse_util.flatten_dict(params)
+  unflat = flax.traverse_util.unflatten_dict
+  return (unflat({k: v for k, v in flat.items() if not fresh(k)}),
+          unflat({k: v for k, v in flat.items() if fresh(k)}))
+
+
 def restore_or_init(workdir: str, abstract: Any, create: Callable[[], Any],
-                    c: ml_collections.ConfigDict) -> tuple[Any, ocp.CheckpointManager]:
+                    c: ml_collections.ConfigDict,
+                    fresh: Optional[Callable[[tuple], bool]] = None
+                    ) -> tuple[Any, ocp.CheckpointManager]:
   """The run's first state: the newest checkpoint in the workdir, else `create()` (with
-  `c.init_from`'s params, if set). Returns (state, checkpoint manager). `abstract` is the
-  state's shapes with their shardings; `c` the config's checkpoint section.
+  `c.init_from`'s params, if set; the parameters `fresh` names, LoRA's adapters, keep their
+  initial values: the source has none). Returns (state, checkpoint manager). `abstract` is
+  the state's shapes with their shardings; `c` the config's checkpoint section.
 
   Restores read straight into those shardings, whatever mesh wrote the checkpoint.
   A checkpoint (or init_from) that does not fit fails before anything is written.
@@ -263,8 +275,14 @@ def restore_or_init(workdir: str, abstract: Any, create: Callable[[], Any],
       return abstract.replace(**restored), manager
   state = create()
   if c.init_from:
-    params, step, source = restore_params(c.init_from, target['params'])
-    logging.info('initialised params from step %d of %s (optimizer state fresh)', step, source)
+    wanted = _without(target['params'], fresh)[0] if fresh else target['params']
+    params, step, source = restore_params(c.init_from, wanted)
+    if fresh:
+      kept = _without(state.params, fresh)[1]
+      params = flax.traverse_util.unflatten_dict({**flax.traverse_util.flatten_dict(params),
+                                                  **flax.traverse_util.flatten_dict(kept)})
+    logging.info('initialised params from step %d of %s (optimizer state%s fresh)', step, source,
+                 ' and adapters' if fresh else '')
     state = state.replace(params=params)
   return state, manager or new_manager()
 

@@ -1,0 +1,186 @@
+"""Attention for the Transformer families: multi-head or grouped-query, self- or cross-,
+with a key/value cache for decoding, packed documents' segments, sliding windows, soft-capped
+scores and per-head query/key norms.
+
+- Grouped-query attention (Ainslie et al., arXiv:2305.13245): num_kv_heads < num_heads;
+  query head n reads key/value head n // (num_heads / num_kv_heads), keys and values never
+  repeated.
+- A local layer (`window` > 0) attends to the last `window` positions, itself included
+  (query i sees key j iff i - j < window: Mistral's and Gemma's sliding window, in the key/
+  value cache too). `local` says whether this layer is one: a Python bool, or under
+  nn.scan a traced one (layers alternate local and global in Gemma 2 and 3).
+- Soft-capped scores (Gemma 2): cap * tanh(scores / cap) before the mask, computed here in
+  XLA (jax.nn.dot_product_attention has no cap); everything else goes through
+  jax.nn.dot_product_attention ('xla', 'cudnn') or the splash kernel (zoo.models.splash).
+- Query/key norms (Qwen3, Gemma 3): each head's queries and keys normalised over the head
+  size before the rotation.
+
+Shapes are suffixed: B batch, L (M) query (key) length, D d_model, N heads, G key/value
+heads, K heads per group, H head size, S cache positions, R LoRA rank.
+"""
+from typing import Any, Optional, Union
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zoo.models import lora as lora_lib
+from zoo.models import rope as rope_lib
+from zoo.models import splash
+from zoo.models.layers import norm, param
+
+Flag = Union[bool, jax.Array]  # A layer's `local`: static, or traced under nn.scan.
+
+
+def _select(local: Flag, if_local: Any, otherwise: Any) -> Any:
+  if isinstance(local, bool):
+    return if_local if local else otherwise
+  return jnp.where(local, jnp.asarray(if_local), jnp.asarray(otherwise))
+
+
+def _window(query_L: jax.Array, key_M: jax.Array, window: int, local: Flag) -> Optional[jax.Array]:
+  """[L, M]: which keys a local layer's queries see (i - j < window), all for a global one;
+  None if no layer is local."""
+  if not window or local is False:
+    return None
+  near_LM = query_L[:, None] - key_M[None, :] < window
+  return near_LM if local is True else near_LM | ~local
+
+
+def _softcapped(q_BLNH, k_BMGH, v_BMGH, mask, causal, scale, cap):
+  """Attention with cap * tanh(scores / cap) before the mask; softmax in float32."""
+  batch, length, heads, head = q_BLNH.shape
+  groups, keys = k_BMGH.shape[2], k_BMGH.shape[1]
+  q_BLGKH = q_BLNH.reshape(batch, length, groups, heads // groups, head)
+  s_BGKLM = jnp.einsum('BLGKH,BMGH->BGKLM', q_BLGKH, k_BMGH,
+                       preferred_element_type=jnp.float32) * scale
+  s_BGKLM = cap * jnp.tanh(s_BGKLM / cap)
+  allowed = jnp.ones((length, keys), bool)
+  if causal:
+    allowed = jnp.tril(allowed)
+  allowed = allowed[None, None, None] if mask is None else (allowed & mask)[:, :, None]
+  s_BGKLM = jnp.where(allowed, s_BGKLM, jnp.finfo(jnp.float32).min)
+  p_BGKLM = jax.nn.softmax(s_BGKLM, axis=-1).astype(v_BMGH.dtype)
+  out_BLGKH = jnp.einsum('BGKLM,BMGH->BLGKH', p_BGKLM, v_BMGH)
+  return out_BLGKH.reshape(batch, length, heads, head)
+
+
+class Attention(nn.Module):
+  """Multi-head or grouped-query attention: self-attention, or cross-attention to
+  `context_BMD`."""
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  causal: bool = False
+  rotary: bool = False
+  rope: rope_lib.Rope = rope_lib.Rope()         # Global layers' rotation.
+  local_rope: Optional[rope_lib.Rope] = None    # Local layers' (Gemma 3); None: `rope`.
+  use_bias: bool = False
+  qkv_bias: bool = False                # Biases on queries, keys and values only (Qwen2).
+  qk_norm: str = ''                     # A norm kind (zoo.models.transformer.norm) or ''.
+  norm_epsilon: float = 1e-6
+  query_scale_dim: int = 0              # Scores scaled by this**-0.5; 0: head_dim.
+  softcap: float = 0.0
+  window: int = 0
+  implementation: str = 'xla'
+  dtype: str = 'float32'
+  decode: bool = False
+  cache_length: int = 0
+  lora: lora_lib.Lora = lora_lib.Lora()
+  deterministic: bool = True
+
+  def _project(self, name, y_BLD, heads, axes, act):
+    w_DNH = param(self, name, (y_BLD.shape[-1], heads, self.head_dim), axes, self.dtype)
+    y_BLNH = lora_lib.einsum(self, self.lora, name, 'D', 'NH', y_BLD, w_DNH, axes, self.dtype,
+                             self.deterministic)
+    if self.use_bias or self.qkv_bias:
+      y_BLNH = y_BLNH + param(self, f'{name}_bias', (heads, self.head_dim), axes[1:], self.dtype,
+                              nn.initializers.zeros_init())
+    if self.qk_norm and name in ('query', 'key'):
+      y_BLNH = norm(self.qk_norm, self.norm_epsilon, self.dtype, f'{name}_norm', ('kv',))(y_BLNH)
+    return nn.with_logical_constraint(y_BLNH, act)
+
+  @nn.compact
+  def __call__(self, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None,
+               positions_BL: Optional[jax.Array] = None,
+               start_B: Optional[jax.Array] = None,
+               segments_BL: Optional[jax.Array] = None, local: Flag = False) -> jax.Array:
+    """`segments_BL` (self-attention): a query sees only keys of its own segment (packed
+    documents, zoo.data.packing). `local`: this layer attends within `window`."""
+    kv_BMD = x_BLD if context_BMD is None else context_BMD
+    d_model = x_BLD.shape[-1]
+    grouped = self.num_kv_heads != self.num_heads
+    act = ('act_batch', 'act_len', 'act_heads', 'act_kv')
+    kv_act = ('act_batch', 'act_len', 'act_kv_heads' if grouped else 'act_heads', 'act_kv')
+    kv_axes = ('embed', 'kv_heads' if grouped else 'heads', 'kv')
+    q_BLNH = self._project('query', x_BLD, self.num_heads, ('embed', 'heads', 'kv'), act)
+    k_BMGH = self._project('key', kv_BMD, self.num_kv_heads, kv_axes, kv_act)
+    v_BMGH = self._project('value', kv_BMD, self.num_kv_heads, kv_axes, kv_act)
+    if positions_BL is None:
+      positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
+    if self.rotary:
+      frequencies = self.rope.frequencies(self.head_dim)
+      if self.local_rope is not None:
+        frequencies = _select(local, self.local_rope.frequencies(self.head_dim), frequencies)
+      q_BLNH = rope_lib.rotate(q_BLNH, positions_BL, frequencies)
+      k_BMGH = rope_lib.rotate(k_BMGH, positions_BL, frequencies)
+    mask, causal, out_BLNH = None, self.causal, None
+    if self.decode:
+      k_BMGH, v_BMGH, mask = self._extend_cache(k_BMGH, v_BMGH, start_B, kv_act, local)
+      causal = False  # The cache mask is causal.
+    else:
+      if segments_BL is not None:
+        mask = (segments_BL[:, :, None] == segments_BL[:, None, :])[:, None]  # [B, 1, L, M]
+      near_LM = _window(jnp.arange(x_BLD.shape[1]), jnp.arange(kv_BMD.shape[1]), self.window,
+                        local)
+      if near_LM is not None:
+        mask = near_LM[None, None] if mask is None else mask & near_LM
+    scale = (self.query_scale_dim or self.head_dim) ** -0.5
+    if self.softcap:
+      out_BLNH = _softcapped(q_BLNH, k_BMGH, v_BMGH, mask, causal, scale, self.softcap)
+    elif self.implementation == 'splash' and not self.is_initializing():  # Init: shapes only.
+      if self.decode:
+        splash.fallback('decoding from a key/value cache')
+      else:
+        out_BLNH = splash.attention(q_BLNH, k_BMGH, v_BMGH, causal, kv_act[2], segments_BL)
+    if out_BLNH is None:
+      out_BLNH = jax.nn.dot_product_attention(
+          q_BLNH, k_BMGH, v_BMGH, mask=mask, is_causal=causal,
+          scale=scale if self.query_scale_dim else None,
+          implementation=None if self.implementation == 'splash' else self.implementation)
+    out_BLNH = nn.with_logical_constraint(out_BLNH, act)
+    w_NHD = param(self, 'out', (self.num_heads, self.head_dim, d_model), ('heads', 'kv', 'embed'),
+                  self.dtype)
+    out_BLD = lora_lib.einsum(self, self.lora, 'out', 'NH', 'D', out_BLNH, w_NHD,
+                              ('heads', 'kv', 'embed'), self.dtype, self.deterministic)
+    if self.use_bias:
+      out_BLD = out_BLD + param(self, 'out_bias', (d_model,), ('embed',), self.dtype,
+                                nn.initializers.zeros_init())
+    return out_BLD
+
+  def _extend_cache(self, k_BLGH, v_BLGH, start_B, kv_act, local):
+    """Writes this call's keys and values at the cache's next positions; returns the whole
+    cache and the mask [B, 1, L, S]: a query sees its row's positions from start_B (left
+    padding before it) up to its own, a local layer's only the last `window` of them."""
+    batch, length = k_BLGH.shape[:2]
+    shape = (batch, self.cache_length, self.num_kv_heads, self.head_dim)
+    cached_k = self.variable('cache', 'key', jnp.zeros, shape, k_BLGH.dtype)
+    cached_v = self.variable('cache', 'value', jnp.zeros, shape, v_BLGH.dtype)
+    index = self.variable('cache', 'index', lambda: jnp.zeros((), jnp.int32))
+    i = index.value
+    cached_k.value = nn.with_logical_constraint(
+        jax.lax.dynamic_update_slice(cached_k.value, k_BLGH, (0, i, 0, 0)), kv_act)
+    cached_v.value = nn.with_logical_constraint(
+        jax.lax.dynamic_update_slice(cached_v.value, v_BLGH, (0, i, 0, 0)), kv_act)
+    index.value = i + length
+    if start_B is None:
+      start_B = jnp.zeros((batch,), jnp.int32)
+    slots_S = jnp.arange(self.cache_length)
+    query_L = i + jnp.arange(length)
+    mask_BLS = (slots_S[None, None, :] <= query_L[None, :, None]) & (
+        slots_S[None, None, :] >= start_B[:, None, None])
+    near_LS = _window(query_L, slots_S, self.window, local)  # Slots are positions + padding.
+    if near_LS is not None:
+      mask_BLS = mask_BLS & near_LS[None]
+    return cached_k.value, cached_v.value, mask_BLS[:, None]
+

@@ -1,0 +1,54 @@
+"""Rotary position embedding (RoFormer, Su et al., arXiv:2104.09864) and its frequency
+scalings: 'linear' (position interpolation, Chen et al., arXiv:2306.15595) and 'llama3'
+(Llama 3.1's: long wavelengths divided by `factor`, short ones kept, a smooth ramp between;
+Meta's reference code and Hugging Face's `_compute_llama3_parameters`).
+
+Frequencies are computed once per model, in float32, as numpy arrays: a layer's rotation
+is then `rotate(x, positions, frequencies)`. Pairs of features (i, i + H/2) turn together,
+Hugging Face's `rotate_half` layout.
+"""
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SCALINGS = ('none', 'linear', 'llama3')
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  """A rotary embedding's base and scaling (the Transformer's rope_* fields)."""
+  theta: float = 10000.0
+  scaling: str = 'none'
+  factor: float = 1.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int = 0       # llama3: the context the base model was trained on.
+
+  def frequencies(self, head_size: int) -> np.ndarray:
+    """float32 [head_size / 2]: the angle per position of each pair of features."""
+    exponents = np.arange(0, head_size, 2).astype(np.float32) / np.float32(head_size)
+    inv = (np.float32(1.0) / (np.float32(self.theta) ** exponents)).astype(np.float32)
+    if self.scaling == 'linear':
+      return (inv / np.float32(self.factor)).astype(np.float32)
+    if self.scaling == 'llama3':
+      factor, low, high = (np.float32(v) for v in (self.factor, self.low_freq_factor,
+                                                   self.high_freq_factor))
+      original = np.float32(self.original_max_len)
+      wavelength = np.float32(2 * math.pi) / inv
+      scaled = np.where(wavelength > original / low, inv / factor, inv)
+      smooth = (original / wavelength - low) / (high - low)
+      ramp = (1 - smooth) * scaled / factor + smooth * scaled
+      medium = ~(wavelength < original / high) & ~(wavelength > original / low)
+      return np.where(medium, ramp, scaled).astype(np.float32)
+    return inv
+
+
+def rotate(x_BLNH: jax.Array, positions_BL: jax.Array, frequencies_H: jax.Array) -> jax.Array:
+  """x turned by the angles positions x frequencies (H/2 of them), in float32."""
+  angle_BLH = positions_BL.astype(jnp.float32)[..., None] * jnp.asarray(frequencies_H, jnp.float32)
+  cos, sin = jnp.cos(angle_BLH)[:, :, None], jnp.sin(angle_BLH)[:, :, None]  # [B, L, 1, H/2]
+  x1, x2 = jnp.split(x_BLNH.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x_BLNH.dtype)
