@@ -25,7 +25,9 @@ tokenizer, and reports each source's validation loss and bits per byte (zoo.data
 
 `:gpt2` trains the same model in GPT-2's layout (biases, tied embeddings, LayerNorm epsilon
 1e-5), which `python -m zoo.convert export` hands to transformers as a GPT2LMHeadModel (see
-experiments/finetune_lm.py).
+experiments/finetune_lm.py); `:llama` in Llama's (rotary positions, RMSNorm, SwiGLU of the
+same parameter count, 4 key/value heads for 8 query heads, no biases), a LlamaForCausalLM
+(see experiments/finetune_chat.py).
 
 Expect: 1.64 validation bits per byte (5.81 bits per token) after 600 steps on packed
 documents (1.63 with `--config.data.windows=stream`), and `numpy_line_order` rising from
@@ -39,9 +41,9 @@ from zoo.run.config import base_config
 
 def get_config(arg=None):
   variants = set(arg.split(',')) if arg else set()
-  if variants - {'smoke', 'gpt2', 'mixture'}:
-    raise ValueError(f'unknown variant {arg!r} of bpe_lm; known: smoke, gpt2, mixture (e.g. '
-                     'smoke,gpt2)')
+  if variants - {'smoke', 'gpt2', 'llama', 'mixture'} or {'gpt2', 'llama'} <= variants:
+    raise ValueError(f'unknown variant {arg!r} of bpe_lm; known: smoke, gpt2 or llama, mixture '
+                     '(e.g. smoke,gpt2)')
   c = base_config()
   c.model.name = 'transformer_lm'
   c.model.num_layers = 4
@@ -76,8 +78,12 @@ def get_config(arg=None):
     c.data.weights = {'code': 0.8, 'docs': 0.2}
   if 'gpt2' in variants:  # GPT-2's layout: zoo.convert exports it for transformers.
     c.model.update(use_bias=True, tie_embeddings=True, norm_epsilon=1e-5)
+  if 'llama' in variants:  # Llama's layout: likewise.
+    c.model.update(positions='rotary', norm='rms', mlp_activation='swiglu', num_kv_heads=4,
+                   mlp_dim=352, norm_epsilon=1e-5)
   if 'smoke' in variants:
-    c.model.update(num_layers=2, d_model=64, mlp_dim=128, max_len=32)
+    c.model.update(num_layers=2, d_model=64, mlp_dim=128 if 'llama' not in variants else 88,
+                   max_len=32)
     c.data.seq_len = 32
     c.train.update(steps=40, batch_size=16, log_every_steps=10)
     c.optimizer.warmup_steps = 5

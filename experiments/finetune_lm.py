@@ -12,24 +12,12 @@ config.json's fields), its params start from the import's checkpoint (`checkpoin
 and the optimizer, schedule and step count are fresh; any mesh works, the rules replicating
 what the model's sizes do not split. `model.lora.rank` > 0 (`,lora`: rank 8 on every
 projection) trains low-rank adapters only, the imported weights frozen (zoo.models.lora);
-export merges them (`zoo.convert export`) or writes them as a PEFT adapter (`--peft`). The README's results table has a full run: a GPT-2-layout
-model trained by `bpe_lm:gpt2`, exported, imported and fine-tuned on the Python docs.
+export merges them (`zoo.convert export`) or writes them as a PEFT adapter (`--peft`).
+The README's results table has a full run: a GPT-2-layout model trained by `bpe_lm:gpt2`,
+exported, imported and fine-tuned on the Python docs.
 `:smoke` (after the workdir): seconds.
 """
-import json
-
-import ml_collections
-
-from zoo.run.config import base_config
-from zoo.store import storage
-
-
-def lora_config(model, rank=0):
-  """config.model.lora for an imported model: `rank` (0: none) on every projection it has."""
-  gated = model.get('mlp_activation') in ('swiglu', 'geglu')
-  mlp = ('wi_gate', 'wi_up', 'wo') if gated else ('wi', 'wo')
-  return ml_collections.ConfigDict(dict(rank=rank, alpha=2.0 * rank, dropout=0.0,
-                                        targets=('query', 'key', 'value', 'out') + mlp))
+from zoo.run.config import imported_model
 
 
 def get_config(arg=None):
@@ -38,19 +26,7 @@ def get_config(arg=None):
     raise ValueError(f'finetune_lm needs the imported workdir: --config=experiments/'
                      f'finetune_lm.py:WORKDIR[,smoke][,lora], got {arg!r}; known variants: '
                      'smoke, lora')
-  found = storage.join(workdir, 'config.json')  # A local or gs:// workdir.
-  if not storage.is_file(found):
-    raise ValueError(f'{workdir} has no config.json: give the workdir of an imported model '
-                     '(python -m zoo.convert import --hf_dir=... --workdir=WORKDIR), '
-                     '--config=experiments/finetune_lm.py:WORKDIR[,smoke]')
-  imported = json.loads(storage.read_text(found))
-  c = base_config()
-  c.model.update(imported['model'])  # The imported architecture, exactly.
-  c.model.lora = lora_config(c.model, 8 if 'lora' in variants else 0)
-  c.checkpoint.init_from = workdir    # Its params; a fresh optimizer.
-  c.data.name = 'tokens'
-  c.data.path = ''                    # Give --config.data.path: a dataset of its tokenizer.
-  c.data.seq_len = min(128, c.model.max_len)
+  c = imported_model(workdir, 'finetune_lm', lora_rank=8 if 'lora' in variants else 0)
   c.train.steps = 300
   c.train.batch_size = 32
   c.train.log_every_steps = 50

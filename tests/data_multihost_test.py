@@ -1,5 +1,6 @@
 """File-backed datasets over several processes: each reads only its rows, the losses equal
-one process's, and a checkpoint that 2 processes wrote resumes exactly in 1."""
+one process's, and a checkpoint that 2 processes wrote resumes exactly in 1; likewise a
+mixture of two sources and LoRA on an imported model (only its adapters train)."""
 import json
 import os
 import re
@@ -35,7 +36,19 @@ def datasets(tmp_path_factory):
     result = subprocess.run([sys.executable, '-m', 'zoo.prepare', *args], cwd=REPO,
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
+  transformers = pytest.importorskip('transformers')  # A tiny Llama to tune with LoRA.
+  import torch  # pylint: disable=import-outside-toplevel
+  from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  from zoo.hf import transfer  # pylint: disable=import-outside-toplevel
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(
+          root / 'llama')
+  tokenizer_lib.bytes_tokenizer().save(str(root / 'llama' / 'tokenizer.json'))
+  transfer.import_model(str(root / 'llama'), str(root / 'imported'))
   return {'tokens': ('char_lm', 'smoke', {'data.name': 'tokens', 'data.path': f'{root}/tokens'}),
+          'lora': ('finetune_lm', f'{root}/imported,smoke,lora', {'data.path': f'{root}/tokens'}),
           'mixture': ('bpe_lm', 'smoke,mixture', {'data.sources.code': f'{root}/tokens',
                                                   'data.sources.docs': f'{root}/few',
                                                   'data.weights.docs': 0.8}),
@@ -52,7 +65,7 @@ def _rows(workdir):
   return [{k: v for k, v in r.items() if not k.startswith('perf/')} for r in read_metrics(workdir)]
 
 
-@pytest.mark.parametrize('name', ['tokens', 'mixture', 'records'])
+@pytest.mark.parametrize('name', ['tokens', 'mixture', 'lora', 'records'])
 def test_two_processes_read_half_each_and_resume_in_one(name, datasets, tmp_path, devices):
   del devices
   experiment_name, arg, data_flags = datasets[name]

@@ -1,14 +1,18 @@
-r"""Builds datasets that training reads per process: `python -m zoo.prepare text|images`.
+r"""Builds datasets that training reads per process: `python -m zoo.prepare text|chat|images`.
 
     python -m zoo.prepare text --input='corpus/*.txt' --output=data/corpus --tokenizer=bpe \
         --vocab_size=8192
     python -m zoo.prepare text --input=docs.jsonl --field=text --output=data/docs --tokenizer=bytes
     python -m zoo.prepare text --input=part-0.parquet --column=text --output=data/pq \
         --tokenizer=path/to/tokenizer.json
+    python -m zoo.prepare chat --input=conversations.jsonl --output=data/chat \
+        --tokenizer=runs/imported
     python -m zoo.prepare images --input=path/to/imagefolder --output=data/images
 
-`text` writes a token dataset (zoo.data.tokens: `--config.data.name=tokens`), `images` a
-record dataset (zoo.data.records: `--config.data.name=records`). The output appears whole
+`text` writes a token dataset (zoo.data.tokens: `--config.data.name=tokens`), `chat` one of
+conversations rendered with the model's chat template and a loss mask on the assistant's
+tokens (zoo.data.chat), `images` a record dataset (zoo.data.records:
+`--config.data.name=records`). The output appears whole
 or not at all: it is written into `OUTPUT.partial-<pid>` and renamed when complete, so an
 interrupted prepare leaves nothing that training accepts. An existing OUTPUT is replaced
 only with --overwrite. A progress bar on stderr shows bytes (and images), rate and ETA.
@@ -36,10 +40,15 @@ _VAL_FRACTION = flags.DEFINE_float(
 _SEED = flags.DEFINE_integer('seed', 0, 'Seeds the train/validation split.')
 _TOKENIZER = flags.DEFINE_string(
     'tokenizer', 'bytes', "text: 'bytes' (one token per UTF-8 byte), 'bpe' (a byte-level BPE "
-    'trained on the training documents) or a path to a tokenizer.json.')
+    'trained on the training documents) or a path to a tokenizer.json. chat: the model\'s '
+    'tokenizer directory (tokenizer.json and its chat template), or its tokenizer.json.')
+_CHAT_TEMPLATE = flags.DEFINE_string(
+    'chat_template', '', 'chat: a Jinja chat template file, instead of the one beside the '
+    'tokenizer (chat_template.jinja or tokenizer_config.json).')
 _VOCAB_SIZE = flags.DEFINE_integer('vocab_size', 8192,
                                    "text: the BPE's vocabulary (--tokenizer=bpe).")
-_FIELD = flags.DEFINE_string('field', 'text', 'text: the JSON Lines field that holds a document.')
+_FIELD = flags.DEFINE_string('field', 'text', 'text: the JSON Lines field that holds a document '
+                             "(chat: the conversation's, 'messages' unless given).")
 _COLUMN = flags.DEFINE_string('column', 'text', 'text: the Parquet column that holds a document.')
 _SHARD_TOKENS = flags.DEFINE_integer('shard_tokens', 2**28, 'text: tokens per shard file.')
 _IMAGE_SIZE = flags.DEFINE_integer(
@@ -55,8 +64,8 @@ flags.mark_flags_as_required(['output'])
 
 def main(argv: list[str]) -> None:
   if len(argv) != 2:
-    raise ZooError(f'give one kind, text or images: python -m zoo.prepare text|images '
-                   f'--input=... --output=... (got {argv[1:]})')
+    raise ZooError(f'give one kind, text or images (or chat): python -m zoo.prepare '
+                   f'text|chat|images --input=... --output=... (got {argv[1:]})')
   try:
     writer.run(argv[1], writer.Options(
         inputs=tuple(_INPUT.value), output=_OUTPUT.value, exclude=tuple(_EXCLUDE.value),
@@ -64,7 +73,8 @@ def main(argv: list[str]) -> None:
         val_fraction=_VAL_FRACTION.value, seed=_SEED.value, tokenizer=_TOKENIZER.value,
         vocab_size=_VOCAB_SIZE.value, field=_FIELD.value, column=_COLUMN.value,
         shard_tokens=_SHARD_TOKENS.value, image_size=_IMAGE_SIZE.value,
-        shard_examples=_SHARD_EXAMPLES.value, store=_STORE.value))
+        shard_examples=_SHARD_EXAMPLES.value, store=_STORE.value,
+        chat_template=_CHAT_TEMPLATE.value))
   except OSError as e:  # A full disk, a permission taken away, a file gone meanwhile.
     raise ZooError(f'{e.filename or "--output"}: {e.strerror or e}; nothing was written') from None
   except KeyboardInterrupt:

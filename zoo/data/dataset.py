@@ -48,6 +48,11 @@ class Dataset:
   # The token that ends each document, and so is the input before a document's first token
   # (packed token data); None: the data has none.
   eos_id: Optional[int] = None
+  # Chat data: the token ids of a held-out conversation's opening, up to the generation
+  # prompt, that each eval's sample continues (else the first quarter of a held-out
+  # window), and the ids that end the reply there.
+  sample_prompt: Optional[list] = None
+  stop_ids: tuple = ()
 
 
 def _no_check(data_config: ml_collections.ConfigDict) -> None:

@@ -14,6 +14,8 @@ range of the stream: one read. In the window, each document (or piece) has its o
 segment id (1, 2, ...; 0 marks padding) and positions from 0; attention stays inside a
 segment, and the loss mask is 0 on padding.
 """
+from typing import Optional
+
 import numpy as np
 
 
@@ -45,11 +47,13 @@ def padding(starts: np.ndarray, seq_len: int) -> float:
 
 
 def rows(tokens: list[np.ndarray], spans: np.ndarray, ends: np.ndarray, seq_len: int,
-         eos: int) -> dict:
+         eos: int, loss_masks: Optional[list[np.ndarray]] = None) -> dict:
   """A batch of packed windows: spans [n, 2] are the windows' target ranges [a, b) and
   tokens[i] the stream's tokens a - 1 .. b - 1 (a == 0: a .. b - 1, the EOS before the
   first document is added here). Fields: inputs, targets, segments, positions [n, seq_len]
-  int32 and mask float32 (1 on a target, 0 on padding)."""
+  int32 and mask float32 (1 on a target, 0 on padding; with `loss_masks`, the stream's
+  mask of targets a .. b - 1 each, 0 where a target does not count: chat data's non-
+  assistant tokens)."""
   n = len(spans)
   batch = {k: np.zeros((n, seq_len), np.int32)
            for k in ('inputs', 'targets', 'segments', 'positions')}
@@ -65,7 +69,7 @@ def rows(tokens: list[np.ndarray], spans: np.ndarray, ends: np.ndarray, seq_len:
     batch['targets'][i, :length] = got[1:]
     batch['segments'][i, :length] = doc - doc[0] + 1
     batch['positions'][i, :length] = targets - np.maximum(starts[doc], a)
-    batch['mask'][i, :length] = 1.0
+    batch['mask'][i, :length] = 1.0 if loss_masks is None else loss_masks[i]
   return batch
 
 

@@ -28,7 +28,7 @@ import io
 import json
 import os
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import ml_collections
 import numpy as np
@@ -149,11 +149,14 @@ class TokenSplit:
     self.windows_read += len(positions)
     return np.stack([self.read(int(p), length) for p in positions]).reshape(-1, length)
 
-  def packed(self, spans: np.ndarray, ends: np.ndarray, seq_len: int, eos: int) -> dict:
-    """The packed windows whose target ranges are `spans` [n, 2] (see zoo.data.packing)."""
+  def packed(self, spans: np.ndarray, ends: np.ndarray, seq_len: int, eos: int,
+             masks: Optional['TokenSplit'] = None) -> dict:
+    """The packed windows whose target ranges are `spans` [n, 2] (see zoo.data.packing);
+    `masks`: the split's loss mask (chat data), read for the same targets."""
     self.windows_read += len(spans)
     got = [self.read(max(a - 1, 0), b - max(a - 1, 0)) for a, b in spans.tolist()]
-    return packing.rows(got, spans, ends, seq_len, eos)
+    loss_masks = None if masks is None else [masks.read(a, b - a) for a, b in spans.tolist()]
+    return packing.rows(got, spans, ends, seq_len, eos, loss_masks)
 
 
 class TokenSource:
@@ -173,6 +176,19 @@ class TokenSource:
       raise ConfigError(f'{field}: the tokenizer of {path} has no end-of-document token to '
                         "separate documents; set data.windows='stream'")
     self.train, self.val = (TokenSplit(path, name, meta, field) for name in SPLITS)
+    self.masks = {}  # Chat data: which targets count (zoo.data.chat), per split.
+    if meta.get('loss_mask'):
+      if windows != 'documents':
+        raise ConfigError(f'{field}: {path} holds conversations with a loss mask; read them as '
+                          "documents (data.windows='documents')")
+      mask_meta = {'dtype': meta['loss_mask']['dtype'], 'splits': {
+          name: {'shards': meta['splits'][name]['mask_shards']} for name in SPLITS}}
+      self.masks = {name: TokenSplit(path, name, mask_meta, field) for name in SPLITS}
+      for name in SPLITS:
+        if self.masks[name].tokens != getattr(self, name).tokens:
+          raise ConfigError(f'{field}: the {name} loss mask of {path} does not cover its '
+                            'tokens; prepare the dataset again')
+    self.chat = meta.get('chat') or {}
     self.path, self.field, self.meta, self.seq_len, self.seed = path, field, meta, seq_len, seed
     self.windows, self.stream, self.eos = windows, stream, meta['eos_id']
     self.vocab_size = meta['vocab_size']
@@ -236,7 +252,8 @@ class TokenSource:
     windows in epochs of permutations; stream windows at a start drawn per position."""
     if self.windows == 'documents':
       ends, spans = self.plans['train']
-      return self.train.packed(spans[self._order(positions)], ends, self.seq_len, self.eos)
+      return self.train.packed(spans[self._order(positions)], ends, self.seq_len, self.eos,
+                               self.masks.get('train'))
     starts = np.array([np.random.default_rng([self.seed, *self.stream, p]).integers(
         0, self.train.tokens - self.seq_len) for p in positions.tolist()], np.int64)
     return self._split(self.train.windows(starts, self.seq_len + 1))
@@ -254,7 +271,8 @@ class TokenSource:
     """The validation split tiled once, with each target's UTF-8 bytes."""
     if self.windows == 'documents':
       ends, spans = self.plans['val']
-      batches = ({**self.val.packed(spans[idx], ends, self.seq_len, self.eos), 'weights': weights}
+      batches = ({**self.val.packed(spans[idx], ends, self.seq_len, self.eos,
+                                    self.masks.get('val')), 'weights': weights}
                  for idx, weights in padded_rows(len(spans), global_batch_size, rows))
     else:
       window = self.seq_len + 1
@@ -285,7 +303,9 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
                  train_batch=source.train_batch, eval_batches=source.eval_batches,
                  num_train=source.num_train, decode=source.decode, encode=source.encode,
                  token_unit='token', examples_read=lambda: source.train.windows_read,
-                 eos_id=source.eos if source.eos >= 0 else None)
+                 eos_id=source.eos if source.eos >= 0 else None,
+                 sample_prompt=source.chat.get('sample_prompt'),
+                 stop_ids=tuple(source.chat.get('stop_ids', ())))
 
 
 def tokenizer_dataset(path: str, vocab_size: int, seq_len: int) -> Dataset:

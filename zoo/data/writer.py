@@ -42,9 +42,11 @@ class Options:
   image_size: int = 0
   shard_examples: int = 4096
   store: str = 'auto'
+  chat_template: str = ''
 
 
-KINDS = ('text', 'images')
+KINDS = ('text', 'chat', 'images')
+TOKEN_KINDS = ('text', 'chat')  # Token datasets: a validation split, bucket outputs.
 
 
 def progress_bar(total: int, description: str, unit: str = 'B'):
@@ -101,6 +103,57 @@ def text_writer(o: Options) -> Callable[[str], str]:
   return write
 
 
+def chat_writer(o: Options) -> Callable[[str], str]:
+  """Checks the inputs, the model's tokenizer and its chat template; returns partial ->
+  summary, which writes the conversations as a token dataset with a loss mask
+  (zoo.data.chat)."""
+  from zoo.data import chat, documents, tokens  # pylint: disable=import-outside-toplevel
+  from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  files = documents.expand(o.inputs, o.exclude)
+  if not all(f.endswith('.jsonl') for f in files):
+    raise ConfigError('--input: conversations are JSON Lines files (.jsonl), one '
+                      '{"messages": [...]} per line; got ' + ', '.join(files[:3]))
+  if o.shard_tokens <= 0:
+    raise ConfigError(f'--shard_tokens: must be positive, got {o.shard_tokens}')
+  if o.tokenizer in ('bytes', 'bpe'):
+    raise ConfigError(f'--tokenizer: chat data is tokenized by the model\'s own tokenizer: give '
+                      'its directory (a Hugging Face model\'s, or the zoo workdir it was '
+                      f'imported into), not {o.tokenizer!r}')
+  directory = o.tokenizer if os.path.isdir(o.tokenizer) else os.path.dirname(o.tokenizer)
+  tokenizer_file = (os.path.join(o.tokenizer, 'tokenizer.json') if os.path.isdir(o.tokenizer)
+                    else o.tokenizer)
+  tokenizer = tokenizer_lib.load(tokenizer_file, '--tokenizer',
+                                 'give the model\'s tokenizer directory')
+  template = chat.load_template(directory, o.chat_template)
+  field = 'messages' if o.field == 'text' else o.field  # --field's default names text.
+  total = sum(os.path.getsize(f) for f in files)
+
+  def write(partial):
+    forced = -1
+    while True:
+      with progress_bar(total, 'rendering') as bar:
+        try:
+          meta = chat.prepare(files, partial, tokenizer, template, field=field,
+                              val_fraction=o.val_fraction, seed=o.seed, forced=forced,
+                              shard_tokens=o.shard_tokens, progress=bar)
+        except tokens.EmptyValSplit as e:
+          forced = tokens.first_in_validation(e.documents, o.seed)
+          logging.warning('no conversation of %d went to the val split at --val_fraction=%g: '
+                          'it holds one (conversation %d), the split rounded up', e.documents,
+                          o.val_fraction, forced)
+          for name in os.listdir(partial):
+            os.remove(os.path.join(partial, name))
+          continue
+        bar.update(total - bar.n)
+      targets = {name: meta['splits'][name]['targets'] for name in tokens.SPLITS}
+      return (f'vocabulary {meta["vocab_size"]:,}; chat template {template.where}\n'
+              + tokens.describe(meta) + '\n' + ', '.join(
+                  f'{name}: {targets[name]:,} assistant tokens, '
+                  f'{targets[name] / max(meta["splits"][name]["tokens"], 1):.1%} of the split'
+                  for name in tokens.SPLITS))
+  return write
+
+
 def images_writer(o: Options) -> Callable[[str], str]:
   """Checks the image-folder tree (every image is decoded once); returns partial -> summary,
   which writes the record dataset."""
@@ -124,17 +177,18 @@ def run(kind: str, o: Options) -> None:
   input or a failed write, after which nothing is left at o.output."""
   if kind not in KINDS:
     raise ConfigError(f'unknown kind {kind!r}; give one of: {", ".join(KINDS)} '
-                      '(python -m zoo.prepare text|images --input=... --output=...)')
-  if not 0 <= o.val_fraction < 1 or (kind == 'text' and not o.val_fraction):
-    raise ConfigError(f'--val_fraction: must be in {"(0" if kind == "text" else "[0"}, 1), got '
+                      '(python -m zoo.prepare text|chat|images --input=... --output=...)')
+  tokens = kind in TOKEN_KINDS
+  if not 0 <= o.val_fraction < 1 or (tokens and not o.val_fraction):
+    raise ConfigError(f'--val_fraction: must be in {"(0" if tokens else "[0"}, 1), got '
                       f'{o.val_fraction}' + ('; a token dataset needs a validation split'
-                                                  if kind == 'text' else ''))
+                                             if tokens else ''))
   t0 = time.perf_counter()
   if storage.is_remote(o.output):
     _run_to_bucket(kind, o, t0)
     return
   path = atomic.check_output(o.output, o.overwrite)
-  write = (text_writer if kind == 'text' else images_writer)(o)
+  write = {'text': text_writer, 'chat': chat_writer, 'images': images_writer}[kind](o)
   partial = f'{path}.partial-{os.getpid()}'
   created = [d for d in atomic.ancestors(partial) if not os.path.exists(d)]
   os.makedirs(partial)
@@ -157,7 +211,7 @@ def _run_to_bucket(kind: str, o: Options, t0: float) -> None:
   until that lands, training refuses the prefix as unfinished. (Record datasets are read
   through a gcsfuse mount, so they are written there as to a local path.)"""
   url = o.output
-  if kind != 'text':
+  if kind not in TOKEN_KINDS:
     raise ConfigError(f'--output: {url}: record datasets are read through a local path; mount '
                       'the bucket with gcsfuse and give the mounted path as --output')
   storage.check_bucket(url, '--output')
@@ -172,7 +226,7 @@ def _run_to_bucket(kind: str, o: Options, t0: float) -> None:
     if not atomic.is_dataset(url):
       raise ConfigError(f'--output: {url} is not a dataset that zoo.prepare wrote (no zoo '
                         'metadata.json), so --overwrite will not replace it; pick another --output')
-  write = text_writer(o)
+  write = (chat_writer if kind == 'chat' else text_writer)(o)
   with tempfile.TemporaryDirectory(prefix='zoo-prepare-') as local:  # $TMPDIR: room for it.
     summary = write(local)
     try:

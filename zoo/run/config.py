@@ -6,6 +6,7 @@ seed, optimizer.*, eval.every_steps.
 """
 import dataclasses
 import importlib.util
+import json
 import math
 import os
 from typing import Any, Optional
@@ -20,7 +21,7 @@ from zoo.errors import ConfigError, fail, first_line
 from zoo.parallel import mesh as mesh_lib
 from zoo.parallel import sharding
 from zoo.run import optim, tasks
-from zoo.store import metrics
+from zoo.store import metrics, storage
 
 WANDB_MODES = ('', 'online', 'offline', 'disabled')
 LAYER_FIELDS = ('num_layers', 'num_encoder_layers', 'num_decoder_layers', 'stage_sizes')
@@ -87,6 +88,31 @@ def base_config() -> ml_collections.ConfigDict:
   # is blocked ~4x less on CPU). True: replicas split the write, which pays off only when
   # many hosts hold copies of large replicated arrays.
   c.checkpoint.replica_parallel = False
+  return c
+
+
+def imported_model(workdir: str, experiment: str, lora_rank: int = 0
+                   ) -> ml_collections.ConfigDict:
+  """base_config() with the model of an imported workdir (its config.json's fields, exactly),
+  its params as the starting point (checkpoint.init_from; the optimizer fresh) and
+  config.model.lora for every projection the model has at `lora_rank` (0: none). What the
+  fine-tuning experiments start from; `experiment` names the file in errors."""
+  found = storage.join(workdir, 'config.json')  # A local or gs:// workdir.
+  if not storage.is_file(found):
+    raise ValueError(f'{workdir} has no config.json: give the workdir of an imported model '
+                     '(python -m zoo.convert import --hf_dir=... --workdir=WORKDIR), '
+                     f'--config=experiments/{experiment}.py:WORKDIR[,smoke]')
+  c = base_config()
+  c.model.update(json.loads(storage.read_text(found))['model'])
+  gated = c.model.get('mlp_activation') in ('swiglu', 'geglu')
+  c.model.lora = ml_collections.ConfigDict(dict(
+      rank=lora_rank, alpha=2.0 * lora_rank, dropout=0.0,
+      targets=('query', 'key', 'value', 'out') + (('wi_gate', 'wi_up', 'wo') if gated
+                                                  else ('wi', 'wo'))))
+  c.checkpoint.init_from = workdir
+  c.data.name = 'tokens'
+  c.data.path = ''  # A dataset made with the model's tokenizer: --config.data.path.
+  c.data.seq_len = min(128, c.model.max_len)
   return c
 
 

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
   from zoo.store.metrics import MetricWriter
 
 
+REPLY_TOKENS = 64  # The longest reply an eval samples from chat data.
+
+
 class Task:
   """Classification: eval loss and accuracy; the base of the sequence tasks."""
   name = 'classification'
@@ -121,9 +124,15 @@ class LanguageModel(Task):
   def eval_sampler(self, model: Any, dataset: 'Dataset', mesh: jax.sharding.Mesh, seed: int,
                    temperature: float) -> Callable[[Any, int, 'MetricWriter'], None]:
     """Continues the first quarter of the first held-out window (the same on every
-    process), logs `sample at step N: prompt -> continuation` and writes it as text."""
-    tokens = next(iter(dataset.eval_batches(1, slice(0, 1))))['inputs']  # [1, seq_len]
-    prompt_len = tokens.shape[1] // 4
+    process), logs `sample at step N: prompt -> continuation` and writes it as text. Chat
+    data: the assistant's reply to a held-out conversation's opening, up to its end."""
+    if dataset.sample_prompt:
+      prompt = np.asarray(dataset.sample_prompt, np.int32)[-(model.max_len - 1):]
+      tokens = np.concatenate([prompt, np.zeros(REPLY_TOKENS, np.int32)])[None]
+      prompt_len = len(prompt)
+    else:
+      tokens = next(iter(dataset.eval_batches(1, slice(0, 1))))['inputs']  # [1, seq_len]
+      prompt_len = tokens.shape[1] // 4
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     gen = jax.jit(functools.partial(decode.generate, model.apply, prompt_len=prompt_len,
                                     window=model.max_len, temperature=temperature),
@@ -131,8 +140,11 @@ class LanguageModel(Task):
 
     def sample(params, step, writer):
       rng = jax.random.fold_in(jax.random.key(seed), step)
-      out = np.asarray(gen({'params': params}, tokens, rng=rng))
-      prompt, text = dataset.decode(out[0, :prompt_len]), dataset.decode(out[0, prompt_len:])
+      out = np.asarray(gen({'params': params}, tokens, rng=rng))[0]
+      reply = out[prompt_len:]
+      stops = np.flatnonzero(np.isin(reply, dataset.stop_ids)) if dataset.stop_ids else []
+      reply = reply[:stops[0]] if len(stops) else reply
+      prompt, text = dataset.decode(out[:prompt_len]), dataset.decode(reply)
       logging.info('sample at step %d: %r -> %r', step, prompt, text)
       writer.text(step, 'eval/sample', prompt + ' -> ' + text)
     return sample
