@@ -5,8 +5,8 @@ exception, never a hang. The cases come from the configs themselves, so a new fi
 covered without editing this test.
 
 Fields shared by every experiment (base_config's) are tried on one experiment; the model
-and data fields of each experiment on that experiment (finetune_lm's are an imported
-model's: the same transformer_lm fields as char_lm's).
+and data fields of each experiment on that experiment (finetune_lm's and finetune_chat's are
+an imported model's: the same transformer_lm fields as char_lm's).
 """
 import functools
 import json
@@ -23,9 +23,10 @@ from zoo.errors import ConfigError
 from zoo.run import config as cfg
 from zoo.run import setup as setup_lib
 
-# Every experiment file but those whose config needs an argument (finetune_lm: an imported
-# model's workdir; its model fields are transformer_lm's, as char_lm's).
-NEEDS_ARGUMENT = ('finetune_lm',)
+# Every experiment file but those whose config needs an argument (finetune_lm and
+# finetune_chat: an imported model's workdir; their model fields are transformer_lm's, as
+# char_lm's and bpe_lm's, and model.lora's are fuzzed by tests/lora_test.py's bad values).
+NEEDS_ARGUMENT = ('finetune_lm', 'finetune_chat')
 # The shared fields are tried on the first, the quickest to check.
 EXPERIMENTS = ('mlp_digits',) + tuple(sorted(
     f[:-3] for f in os.listdir(os.path.join(REPO, 'experiments'))
