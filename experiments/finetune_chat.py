@@ -15,22 +15,25 @@ conversations' loss on the same tokens and logs the reply to the first one's ope
 `,lora` trains rank-8 adapters only; `zoo.convert export` merges them, `--peft` writes a
 PEFT adapter directory. `get_config('IMPORTED_WORKDIR[,smoke][,lora]')`; `:smoke`: seconds.
 
-The README's run: a Llama-layout model pre-trained by zoo on the standard library's code,
-exported and imported like any Hugging Face checkpoint, then taught to answer questions
-about Python's documentation topics in a question/answer template (the commands, from a
-fresh clone, in 'Chat fine-tuning' of docs/pretrained.md):
+The README's run (docs/pretrained.md, 'Chat fine-tuning'): a Llama-layout model pre-trained
+by zoo on the standard library's code, exported and imported like any Hugging Face
+checkpoint, then taught to answer questions about the standard library in a plain
+question/answer template (its tokenizer has no chat tokens), on 522 conversations made from
+the library's docstrings (zoo.data.docstring_chat):
 
     python -m zoo.main --config=experiments/bpe_lm.py:llama --workdir=runs/bpe_llama
     python -m zoo.convert export --workdir=runs/bpe_llama --hf_dir=runs/bpe_llama_hf
     python -m zoo.convert import --hf_dir=runs/bpe_llama_hf --workdir=runs/llama_imported
-    python -m zoo.data.chat_demo data/pydoc_chat.jsonl
-    python -m zoo.prepare chat --input=data/pydoc_chat.jsonl --output=data/pydoc_chat \
-        --tokenizer=runs/llama_imported --chat_template=zoo/data/templates/question_answer.jinja
+    python -c "from zoo.data import docstring_chat; docstring_chat.write('data/chat.jsonl')"
+    python -m zoo.prepare chat --input=data/chat.jsonl --output=data/chat \
+        --tokenizer=runs/llama_imported --val_fraction=0.05 \
+        --chat_template=zoo/data/templates/question_answer.jinja
     python -m zoo.main --config=experiments/finetune_chat.py:runs/llama_imported \
-        --workdir=runs/chat --config.data.path=data/pydoc_chat
+        --workdir=runs/chat --config.data.path=data/chat
 
-Expect the held-out loss on the answers to fall from the imported model's and the sampled
-reply to take the answers' form (README: the measured numbers and a reply).
+Expect, on a 2-core CPU: about 6 minutes; the held-out answers from 1.83 bits per byte (the
+import) to 1.40; a greedy reply in the answers' form ("Return the object ..."). `,lora`:
+about 6 minutes, 1.59 bits per byte, 0.57 MiB of optimizer state against 21.6 MiB.
 """
 from zoo.run.config import imported_model
 

@@ -67,9 +67,11 @@ TEMPLATES = {'chatml': (CHATML, {'eos_token': '<|im_end|>', 'pad_token': '<|endo
              'gemma': (GEMMA, {'bos_token': '<bos>', 'eos_token': '<end_of_turn>'}),
              'marked': (MARKED, {'eos_token': '<|im_end|>'})}
 CONVERSATIONS = [
-    [{'role': 'user', 'content': 'Hi there'}, {'role': 'assistant', 'content': 'Hello! How can I help?'}],
+    [{'role': 'user', 'content': 'Hi there'},
+     {'role': 'assistant', 'content': 'Hello! How can I help?'}],
     [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'What is 2+2?'},
-     {'role': 'assistant', 'content': 'Four.'}, {'role': 'user', 'content': 'And 3+3? Ünïcode ☃'},
+     {'role': 'assistant', 'content': 'Four.'},
+     {'role': 'user', 'content': 'And 3+3? Ünïcode ☃'},
      {'role': 'assistant', 'content': ' Six, naturally.  '}],
 ]
 
@@ -170,7 +172,8 @@ def chat_data(tokenizer_dirs, tmp_path_factory):
       f.write(json.dumps({'messages': [
           {'role': 'user', 'content': f'What is {i} plus {i}?'},
           {'role': 'assistant', 'content': f'{i} plus {i} is {2 * i}.'}]}) + '\n')
-  result = subprocess.run([sys.executable, '-m', 'zoo.prepare', 'chat', f'--input={root}/chat.jsonl',
+  result = subprocess.run([sys.executable, '-m', 'zoo.prepare', 'chat',
+                           f'--input={root}/chat.jsonl',
                            f'--output={root}/data', f'--tokenizer={tokenizer_dirs["chatml"]}',
                            '--val_fraction=0.1'], cwd=REPO, capture_output=True, text=True,
                           timeout=120, check=False)
@@ -215,7 +218,7 @@ def test_prepared_conversations_train_only_on_the_assistants_tokens(chat_data):
     ('{"messages": [{"role": "user", "content": "hi"}]}', r'line 2: the conversation has no '
                                                           r'assistant message'),
     ('{"messages": [{"role": "user"}]}', r'line 2: each message needs a "role" and a "content"'),
-    ('not json', r'line 2: not JSON'),
+    ('not json', r'line 2 is not JSON'),
 ])
 def test_bad_conversations_are_named_by_line(line, message, tokenizer_dirs, tmp_path):
   good = json.dumps({'messages': CONVERSATIONS[0]})
@@ -226,7 +229,7 @@ def test_bad_conversations_are_named_by_line(line, message, tokenizer_dirs, tmp_
                           capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 1 and 'Traceback' not in result.stderr
   last = result.stderr.strip().splitlines()[-1]
-  assert last.startswith(f'zoo: error: --input: {tmp_path}/bad.jsonl, ') and (
+  assert last.startswith(f'zoo: error: --input: {tmp_path}/bad.jsonl line 2') and (
       __import__('re').search(message, last)), last
   assert not (tmp_path / 'out').exists()
 

@@ -349,6 +349,32 @@ def test_a_zoo_trained_gpt2_layout_exports_to_transformers(tmp_path, devices):
                              **LOGITS)
 
 
+def test_a_zoo_trained_llama_layout_under_scan_exports_to_transformers(tmp_path, devices):
+  """bpe_lm:smoke,llama trained with its layers under nn.scan (parameters stacked): export
+  writes them layer by layer, and transformers computes zoo's logits."""
+  from conftest import load_config  # pylint: disable=import-outside-toplevel
+  from zoo.run import train  # pylint: disable=import-outside-toplevel
+  del devices
+  docs = tmp_path / 'docs.jsonl'
+  docs.write_text(''.join(json.dumps({'text': f'{i}: sphinx of black quartz, judge my vow. ' * 3})
+                          + '\n' for i in range(40)))
+  result = subprocess.run([sys.executable, '-m', 'zoo.prepare', 'text', f'--input={docs}',
+                           f'--output={tmp_path / "data"}', '--val_fraction=0.2'], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  workdir = str(tmp_path / 'run')
+  config = load_config('bpe_lm', 'smoke,llama', **{
+      'data.path': str(tmp_path / 'data'), 'train.steps': 4, 'mesh.shape': (4, 2),
+      'checkpoint.async_save': False, 'model.scan_layers': True})
+  train.train_and_evaluate(config, workdir)
+  assert transfer.export_model(workdir, str(tmp_path / 'hf')) == 'llama'
+  model = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / 'hf')).eval()
+  x = _inputs('llama')[:, :10]
+  setup = setup_lib.build(config, shapes_of(config))
+  np.testing.assert_allclose(_zoo_logits(setup, workdir, x), _hf_logits(model, 'llama', x),
+                             **LOGITS)
+
+
 def shapes_of(config):
   from zoo import data  # pylint: disable=import-outside-toplevel
   return data.load(config.data, config.seed)

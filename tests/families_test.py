@@ -227,7 +227,8 @@ def test_export_picks_the_most_specific_layout():
   gemma = {**llama, 'norm': 'rms_offset', 'mlp_activation': 'geglu', 'embed_scale': True,
            'tie_embeddings': True}
   for fields, want in ((llama, 'llama'), ({**llama, 'sliding_window': 8}, 'mistral'),
-                       ({**llama, 'qkv_bias': True}, 'qwen2'), ({**llama, 'qk_norm': True}, 'qwen3'),
+                       ({**llama, 'qkv_bias': True}, 'qwen2'),
+                       ({**llama, 'qk_norm': True}, 'qwen3'),
                        (gemma, 'gemma'), ({**gemma, 'post_norms': True}, 'gemma2'),
                        ({**gemma, 'post_norms': True, 'qk_norm': True, 'rope_local_theta': 1e4},
                         'gemma3_text'), ({**llama, 'embed_scale': True}, None)):

@@ -97,13 +97,19 @@ def test_the_same_task_scores_alike_through_zoo_and_through_the_harness_hf_model
   zoo = harness.evaluate(setting['zoo'], TASKS, setting['tasks'], batch_size=4,
                          mesh_shape='4,2', log_samples=True)
   compared = 0
-  for got, want in zip(_samples(zoo, 'zoo_toy_choice'), _samples(hf, 'zoo_toy_choice')):
-    for (g_ll, g_greedy), (w_ll, w_greedy) in zip((r[0] for r in got), (r[0] for r in want)):
+  for got, want in zip(_samples(zoo, 'zoo_toy_choice'), _samples(hf, 'zoo_toy_choice'),
+                       strict=True):
+    for (g_ll, g_greedy), (w_ll, w_greedy) in zip((r[0] for r in got), (r[0] for r in want),
+                                                  strict=True):
       assert abs(float(g_ll) - float(w_ll)) < 1e-4 and g_greedy == w_greedy
       compared += 1
   assert compared == sum(len(i['choices']) for i in ITEMS)
-  for got, want in zip(_samples(zoo, 'zoo_toy_rolling'), _samples(hf, 'zoo_toy_rolling')):
+  rolled = 0
+  for got, want in zip(_samples(zoo, 'zoo_toy_rolling'), _samples(hf, 'zoo_toy_rolling'),
+                       strict=True):
     assert abs(float(got[0][0]) - float(want[0][0])) < 1e-4
+    rolled += 1
+  assert rolled > 0
   assert _samples(zoo, 'zoo_toy_generate') == _samples(hf, 'zoo_toy_generate')
   assert any(s[0][0] for s in _samples(zoo, 'zoo_toy_generate'))  # It generated text.
   for task in TASKS:

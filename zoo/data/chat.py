@@ -209,16 +209,10 @@ def encode(tokenizer: Any, text: str, spans: list[tuple[int, int]]
 
 def read_conversations(path: str, field: str = 'messages'):
   """(where, messages) for each line of a JSON Lines file."""
-  with open(path, encoding='utf-8') as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f'--input: {path}, line {number}'
-      try:
-        record = json.loads(line)
-      except ValueError as e:
-        raise ConfigError(f'{where}: not JSON ({e})') from None
-      yield where, check_conversation(record, where, field)
+  from zoo.data import documents  # pylint: disable=import-outside-toplevel
+  for number, record in documents.json_records(path):
+    where = f'--input: {path} line {number}'
+    yield where, check_conversation(record, where, field)
 
 
 def prepare(files: list[str], directory: str, tokenizer: Any, template: Template, *,

@@ -22,13 +22,13 @@ through its 600 steps: the summed log-likelihood favours the common lines of oth
 over the specific one; word order is what a model of this size learns.)
 """
 import dataclasses
-import json
 import os
 from typing import Callable, Iterable, Optional
 
 from absl import logging
 import numpy as np
 
+from zoo.data import documents
 from zoo.errors import ConfigError
 
 BUILTIN = {'numpy_line_order': os.path.join(os.path.dirname(__file__), 'tasks',
@@ -61,26 +61,18 @@ def read_items(path: str, field: str = 'config.eval.choice_tasks') -> list[dict]
     raise ConfigError(f'{field}: {path} is not a file; give a JSON Lines task file or one of '
                       f'{", ".join(BUILTIN)}')
   items = []
-  with open(path, encoding='utf-8') as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f'{field}: {path} line {number}'
-      try:
-        item = json.loads(line)
-      except ValueError as e:
-        raise ConfigError(f'{where} is not JSON ({e})') from None
-      if not (isinstance(item, dict) and isinstance(item.get('context'), str)
-              and isinstance(item.get('choices'), list) and len(item['choices']) >= 2
-              and all(isinstance(c, str) and c for c in item['choices'])
-              and isinstance(item.get('answer'), int) and not isinstance(item['answer'], bool)
-              and 0 <= item['answer'] < len(item['choices'])):
-        raise ConfigError(f'{where}: expected {{"context": str, "choices": [at least 2 '
-                          f'non-empty str], "answer": index of a choice}}')
-      items.append(item)
-      if len(items) > MAX_ITEMS:
-        raise ConfigError(f'{field}: {path} has more than {MAX_ITEMS:,} items; evaluate a '
-                          'sample of it in the loop, the whole with zoo.evaluate')
+  for number, item in documents.json_records(path, field):
+    if not (isinstance(item, dict) and isinstance(item.get('context'), str)
+            and isinstance(item.get('choices'), list) and len(item['choices']) >= 2
+            and all(isinstance(c, str) and c for c in item['choices'])
+            and isinstance(item.get('answer'), int) and not isinstance(item['answer'], bool)
+            and 0 <= item['answer'] < len(item['choices'])):
+      raise ConfigError(f'{field}: {path} line {number}: expected {{"context": str, "choices": '
+                        '[at least 2 non-empty str], "answer": index of a choice}')
+    items.append(item)
+    if len(items) > MAX_ITEMS:
+      raise ConfigError(f'{field}: {path} has more than {MAX_ITEMS:,} items; evaluate a '
+                        'sample of it in the loop, the whole with zoo.evaluate')
   if not items:
     raise ConfigError(f'{field}: {path} has no items')
   return items

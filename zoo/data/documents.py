@@ -61,31 +61,37 @@ def read(path: str, field: str = 'text', column: str = 'text') -> Iterator[str]:
                         'convert it, leave it out (--exclude) or give --skip_undecodable') from None
 
 
-def _json_lines(path, field):
+def json_records(path: str, flag: str = '--input') -> Iterator[tuple[int, object]]:
+  """(line number, record) for each non-blank line of a JSON Lines file; ConfigError naming
+  `flag`, the file and the line if a line is not JSON or the file not UTF-8."""
   with open(path, encoding='utf-8') as f:
-    for number, line in _numbered_lines(f, path):
+    for number, line in _numbered_lines(f, path, flag):
       if not line.strip():
         continue
       try:
-        record = json.loads(line)
+        yield number, json.loads(line)
       except ValueError as e:
-        raise ConfigError(f'--input: {path} line {number} is not JSON ({e}); give JSON Lines, '
+        raise ConfigError(f'{flag}: {path} line {number} is not JSON ({e}); give JSON Lines, '
                           'one object per line') from None
-      text = record.get(field) if isinstance(record, dict) else None
-      if not isinstance(text, str):
-        raise ConfigError(f'--field: {path} line {number} has no string field {field!r} (keys: '
-                          f'{", ".join(record) if isinstance(record, dict) else "none"}); '
-                          'name the field that holds the text')
-      yield text
 
 
-def _numbered_lines(f, path):
+def _json_lines(path, field):
+  for number, record in json_records(path):
+    text = record.get(field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+      raise ConfigError(f'--field: {path} line {number} has no string field {field!r} (keys: '
+                        f'{", ".join(record) if isinstance(record, dict) else "none"}); '
+                        'name the field that holds the text')
+    yield text
+
+
+def _numbered_lines(f, path, flag='--input'):
   number = 0
   while True:
     try:
       line = f.readline()
     except UnicodeDecodeError as e:
-      raise ConfigError(f'--input: {path} line {number + 1} is not UTF-8 ({e.reason}); convert '
+      raise ConfigError(f'{flag}: {path} line {number + 1} is not UTF-8 ({e.reason}); convert '
                         'the file or leave it out (--exclude)') from None
     if not line:
       return

@@ -80,27 +80,33 @@ def text_writer(o: Options) -> Callable[[str], str]:
         files, want='train', forced=forced, **options))
   tokenizer = make_tokenizer(-1)
 
-  def write(partial):
+  def attempt(partial, forced):
     nonlocal tokenizer
-    forced = -1
-    while True:
-      with progress_bar(total, 'tokenizing') as bar:
-        try:
-          meta = tokens.prepare(files, partial, tokenizer, shard_tokens=o.shard_tokens,
-                                progress=bar, forced=forced, **options)
-        except tokens.EmptyValSplit as e:  # A small corpus: again, with one val document.
-          forced = tokens.first_in_validation(e.documents, o.seed)
-          logging.warning('no document of %d went to the val split at --val_fraction=%g: it '
-                          'holds one (document %d), the split rounded up', e.documents,
-                          o.val_fraction, forced)
-          for name in os.listdir(partial):
-            os.remove(os.path.join(partial, name))
-          if o.tokenizer == 'bpe':  # Trained on the training documents only.
-            tokenizer = make_tokenizer(forced)
-          continue
-        bar.update(total - bar.n)  # Files hold more than their documents' text (JSON, Parquet).
-      return f'vocabulary {meta["vocab_size"]:,}\n' + tokens.describe(meta)
-  return write
+    if forced >= 0 and o.tokenizer == 'bpe':  # Trained on the training documents only.
+      tokenizer = make_tokenizer(forced)
+    with progress_bar(total, 'tokenizing') as bar:
+      meta = tokens.prepare(files, partial, tokenizer, shard_tokens=o.shard_tokens,
+                            progress=bar, forced=forced, **options)
+      bar.update(total - bar.n)  # Files hold more than their documents' text (JSON, Parquet).
+    return f'vocabulary {meta["vocab_size"]:,}\n' + tokens.describe(meta)
+  return lambda partial: _val_rounded_up(attempt, partial, o, 'document')
+
+
+def _val_rounded_up(attempt: Callable[[str, int], str], partial: str, o: Options,
+                    unit: str) -> str:
+  """attempt(partial, forced=-1), and if no document went to the validation split (a small
+  corpus), again from scratch with the one a larger fraction would take first."""
+  from zoo.data import tokens  # pylint: disable=import-outside-toplevel
+  try:
+    return attempt(partial, -1)
+  except tokens.EmptyValSplit as e:
+    forced = tokens.first_in_validation(e.documents, o.seed)
+    logging.warning('no %s of %d went to the val split at --val_fraction=%g: it holds one '
+                    '(%s %d), the split rounded up', unit, e.documents, o.val_fraction, unit,
+                    forced)
+    for name in os.listdir(partial):
+      os.remove(os.path.join(partial, name))
+    return attempt(partial, forced)
 
 
 def chat_writer(o: Options) -> Callable[[str], str]:
@@ -128,30 +134,19 @@ def chat_writer(o: Options) -> Callable[[str], str]:
   field = 'messages' if o.field == 'text' else o.field  # --field's default names text.
   total = sum(os.path.getsize(f) for f in files)
 
-  def write(partial):
-    forced = -1
-    while True:
-      with progress_bar(total, 'rendering') as bar:
-        try:
-          meta = chat.prepare(files, partial, tokenizer, template, field=field,
-                              val_fraction=o.val_fraction, seed=o.seed, forced=forced,
-                              shard_tokens=o.shard_tokens, progress=bar)
-        except tokens.EmptyValSplit as e:
-          forced = tokens.first_in_validation(e.documents, o.seed)
-          logging.warning('no conversation of %d went to the val split at --val_fraction=%g: '
-                          'it holds one (conversation %d), the split rounded up', e.documents,
-                          o.val_fraction, forced)
-          for name in os.listdir(partial):
-            os.remove(os.path.join(partial, name))
-          continue
-        bar.update(total - bar.n)
-      targets = {name: meta['splits'][name]['targets'] for name in tokens.SPLITS}
-      return (f'vocabulary {meta["vocab_size"]:,}; chat template {template.where}\n'
-              + tokens.describe(meta) + '\n' + ', '.join(
-                  f'{name}: {targets[name]:,} assistant tokens, '
-                  f'{targets[name] / max(meta["splits"][name]["tokens"], 1):.1%} of the split'
-                  for name in tokens.SPLITS))
-  return write
+  def attempt(partial, forced):
+    with progress_bar(total, 'rendering') as bar:
+      meta = chat.prepare(files, partial, tokenizer, template, field=field,
+                          val_fraction=o.val_fraction, seed=o.seed, forced=forced,
+                          shard_tokens=o.shard_tokens, progress=bar)
+      bar.update(total - bar.n)
+    targets = {name: meta['splits'][name]['targets'] for name in tokens.SPLITS}
+    return (f'vocabulary {meta["vocab_size"]:,}; chat template {template.where}\n'
+            + tokens.describe(meta) + '\n' + ', '.join(
+                f'{name}: {targets[name]:,} assistant tokens, '
+                f'{targets[name] / max(meta["splits"][name]["tokens"], 1):.1%} of the split'
+                for name in tokens.SPLITS))
+  return lambda partial: _val_rounded_up(attempt, partial, o, 'conversation')
 
 
 def images_writer(o: Options) -> Callable[[str], str]:

@@ -139,6 +139,16 @@ def _flat(tree: Any) -> dict[str, Any]:
   return {'/'.join(str(getattr(k, 'key', k)) for k in path): leaf for path, leaf in flat}
 
 
+def _unscanned(params: dict[str, Any]) -> dict[str, Any]:
+  """A scan_layers run's stacked `blocks/...` parameters as `block_<i>/...` per layer, the
+  names the layouts use; each stacked array is let go once split."""
+  for path in [p for p in params if p.startswith('blocks/')]:
+    stacked = np.asarray(params.pop(path))
+    for i in range(stacked.shape[0]):
+      params[f'block_{i}/{path[len("blocks/"):]}'] = stacked[i]
+  return params
+
+
 def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.Setup:
   """Writes `hf_dir`'s model into `workdir` (see the module docstring); returns its Setup."""
   hf_config, files = read_hf_dir(hf_dir)
@@ -232,7 +242,7 @@ def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30,
   shapes = checkpoint.latest_metadata(directory)['params']
   target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one), shapes)
   restored, step, _ = checkpoint.restore_params(directory, target, field='--workdir')
-  params = _flat(restored)
+  params = _unscanned(_flat(restored))
   del restored
   fields = {k: v for k, v in config.model.to_dict().items() if v is not None}  # None: data's.
   if arch.kind.size_field not in fields:  # Its data's size.

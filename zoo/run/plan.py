@@ -183,11 +183,11 @@ def format_plan(p: dict) -> str:
            sharding.format_param_table(p['params']), '', *_hosts(p), 'per device:']
   held = p['bytes_per_device']
   for key, label in (('params', 'parameters'), ('optimizer', 'optimizer state'),
-                     ('optimizer_full_fine_tune', '  (a full fine-tune: its optimizer'),
+                     ('optimizer_full_fine_tune', '  (a full fine-tune\'s)'),
                      ('model_state', 'model state (BatchNorm)'), ('batch', 'train batch'),
                      ('other', 'step counter')):
     if held.get(key):
-      lines.append(f'  {label:32s}{_mib(held[key]):>14s}' + (')' if key.endswith('tune') else ''))
+      lines.append(f'  {label:32s}{_mib(held[key]):>14s}')
   lines += _memory_lines(p)
   if verdict(p):
     lines.append(verdict(p))
