@@ -1,7 +1,7 @@
-"""Bad values in every config field of every experiment: each is accepted, refused by the
-flag parser (a wrong type), or refused by the preflight (config.validate, then the checked
-Setup with its memory bound) with a ConfigError that names the field; never another
-exception, never a hang. The cases come from the configs themselves, so a new field is
+"""Bad values in every config field of every experiment: each is accepted (and then its
+train and eval steps trace and lower), refused by the flag parser (a wrong type), or
+refused by the preflight (config.validate, then the checked Setup with its memory bound)
+with a ConfigError that names the field; never another exception, never a hang. The cases come from the configs themselves, so a new field is
 covered without editing this test.
 
 Fields shared by every experiment (base_config's) are tried on one experiment; the model
@@ -125,7 +125,10 @@ def test_a_bad_value_is_accepted_or_refused_naming_its_field(experiment, field, 
   signal.alarm(SECONDS)
   try:
     cfg.validate(config, len(devices))
-    setup_lib.checked(config, devices)
+    setup = setup_lib.checked(config, devices)
+    with setup.scope():  # Accepted: the steps trace and lower (what a shape bug would stop).
+      setup.jit_train_step().lower(setup.abstract_state(), setup.batch)
+      setup.jit_eval_step().lower(setup.abstract_state(), setup.eval_batch())
   except ConfigError as e:
     message = str(e)
     assert '\n' not in message, message
