@@ -182,6 +182,8 @@ def test_merged_and_peft_exports_give_zoo_logits(imported, tuned, tmp_path, devi
                           capture_output=True, text=True, timeout=180, check=False)
   assert result.returncode == 0, result.stderr[-3000:]
   assert sorted(os.listdir(adapter)) == ['adapter_config.json', 'adapter_model.safetensors']
+  with open(adapter / 'adapter_config.json', encoding='utf-8') as f:  # The imported original.
+    assert json.load(f)['base_model_name_or_path'] == os.path.abspath(imported['hf'])
   base = transformers.LlamaForCausalLM.from_pretrained(imported['hf']).eval()
   tuned_model = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
   with torch.no_grad():

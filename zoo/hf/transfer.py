@@ -249,10 +249,12 @@ def export_model(workdir: str, hf_dir: str, max_shard_bytes: int = 4 * 2**30,
     fields = {**workdir_lib.run_dataset(workdir, config).model_fields, **fields}
   fields = arch.from_params(hf.with_defaults(fields), params)
   os.makedirs(hf_dir, exist_ok=True)
-  if peft:
-    imported = Workdir(workdir)
-    base = (imported.read_json('imported.json').get('hf_dir') if imported.has('imported.json')
-            else None)
+  if peft:  # The base: the HF directory the run (or the run it started from) imported.
+    base = None
+    for source in (workdir, config.checkpoint.get('init_from') or ''):
+      if source and Workdir(source).has('imported.json'):
+        base = Workdir(source).read_json('imported.json').get('hf_dir')
+        break
     adapters.write(hf_dir, params, spec, fields['num_layers'], base, save_file)
     logging.info('exported the LoRA adapters of step %d of %s (%s, rank %d) to %s', step,
                  workdir, model_type, spec.rank, hf_dir)
