@@ -69,6 +69,10 @@ def _stop(procs, grace, sig=signal.SIGTERM):
 def run(processes, devices, zoo_args, timeout=None, heartbeat_timeout=60, grace=10):
   """Starts the processes; returns the job's exit code (0 only if all exit 0)."""
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_NUM_CPU_DEVICES')}
+  flags = [f for f in os.environ.get('XLA_FLAGS', '').split()  # --devices sets the count.
+           if not f.startswith('--xla_force_host_platform_device_count')]
+  if flags:  # The user's other XLA flags reach every process.
+    env['XLA_FLAGS'] = ' '.join(flags)
   env['PYTHONUNBUFFERED'] = '1'
   procs = []
   for i, cmd in enumerate(commands(processes, devices, free_port(), zoo_args, heartbeat_timeout)):

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, cli_env
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.errors import ConfigError
 from zoo.hf import transfer
@@ -110,7 +110,7 @@ def test_imported_logits_equal_hf(name, mesh_shape, hf_dirs, imported, devices):
 
 
 def test_import_on_one_device_through_the_cli(hf_dirs, tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   result = subprocess.run([sys.executable, '-m', 'zoo.convert', 'import', '--cpu_devices=1',
                            f'--hf_dir={hf_dirs["llama"][0]}', f'--workdir={tmp_path / "one"}'],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=180, check=False)
@@ -158,7 +158,7 @@ def test_export_writes_shards_of_max_shard_gib(imported, hf_dirs, tmp_path):
   from safetensors import safe_open  # pylint: disable=import-outside-toplevel
   workdir, _ = imported['llama']
   out, limit = tmp_path / 'exported', 40 * 2**10
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   result = subprocess.run([sys.executable, '-m', 'zoo.convert', 'export', '--cpu_devices=1',
                            f'--workdir={workdir}', f'--hf_dir={out}',
                            f'--max_shard_gib={limit / 2**30}'], cwd=REPO, env=env,

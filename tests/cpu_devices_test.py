@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, experiment
+from conftest import REPO, cli_env, experiment
 from zoo.parallel import distributed
 
 
@@ -17,7 +17,7 @@ def test_one_device_per_core_rounded_to_a_power_of_two(cores, devices, monkeypat
 
 
 def test_default_run_uses_every_core_data_parallel(tmp_path):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}  # No device count given.
+  env = cli_env()  # No device count given.
   result = subprocess.run(
       [sys.executable, '-m', 'zoo.main', f'--config={experiment("mlp_digits")}:smoke',
        f'--workdir={tmp_path}', '--config.train.steps=2'],

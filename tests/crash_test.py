@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO, experiment, load_config, read_metrics, run_cli
+from conftest import REPO, cli_env, experiment, load_config, read_metrics, run_cli
 from zoo.run import train
 
 STEPS = 40
@@ -24,7 +24,7 @@ def _args(workdir, **overrides):
 
 
 def _start(workdir, log, *extra):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   return subprocess.Popen([sys.executable, '-m', 'zoo.main', '--cpu_devices=8', *extra],
                           cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log)
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, cli_env
 
 DOCS = ['README.md'] + sorted(os.path.relpath(p, REPO)
                               for p in glob.glob(os.path.join(REPO, 'docs', '*.md')))
@@ -63,7 +63,7 @@ def test_a_quick_command_in_the_docs_runs(command, tmp_path):
   args = shlex.split(command)
   args = [f'--workdir={tmp_path / "run"}' if a.startswith('--workdir=') else a for a in args]
   args[0] = sys.executable
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   result = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
                           check=False)
   assert result.returncode == 0, (command, _all_commands()[command], result.stderr[-3000:])
@@ -76,7 +76,7 @@ def test_every_command_the_docs_name_answers_help():
   assert all(p in ('-m zoo.main', '-m zoo.sample', '-m zoo.convert', '-m zoo.prepare',
                    '-m zoo.evaluate')
              or p.startswith('launch/') for p in programs), programs
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   for program in (p for p in programs if p.startswith('launch/')):  # zoo.*: shell_test.py.
     result = subprocess.run([sys.executable, *program.split(), '--help'], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120, check=False)

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, experiment, tiny_gpt2
+from conftest import REPO, cli_env, experiment, tiny_gpt2
 from prepare_test import _images
 
 DRIVER = os.path.join(os.path.dirname(__file__), 'flag_fuzz_driver.py')
@@ -112,7 +112,7 @@ def test_the_shells_device_flags_with_bad_values_succeed_or_name_the_flag(inputs
           f'--coordinator_address=127.0.0.1:{_free_port()}', '--num_processes=1',
           '--process_id=0', '--initialization_timeout=10']
       cases.append((flag, label, [*job, f'--{flag}={value}']))
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   def run(case):
     flag, label, args = case
     cmd = [sys.executable, '-m', 'zoo.sample', f'--workdir={inputs["run"]}', '--num_tokens=3',

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, experiment, load_config, read_metrics
+from conftest import REPO, cli_env, experiment, load_config, read_metrics
 from zoo.run import train
 
 BUCKET = 'zoo-test'
@@ -77,7 +77,7 @@ def gcs():
 
 
 def _cli(*args):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   return [sys.executable, '-m', 'zoo.main', '--cpu_devices=8', *args], env
 
 
@@ -180,7 +180,7 @@ def test_a_missing_bucket_is_one_line(gcs):
 
 
 def _command(module, *args):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   return subprocess.run([sys.executable, '-m', module, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=180, check=False)
 
@@ -295,7 +295,7 @@ def test_two_processes_read_their_rows_of_a_bucket_dataset_and_resume_in_one(gcs
   args = [f'--config={experiment("char_lm")}:smoke', f'--config.data.path={url}',
           *(f'--config.{k}={v}' for k, v in overrides.items())]
   workdir = f'{gcs}/run_mp'
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   two = subprocess.run([sys.executable, os.path.join(REPO, 'launch', 'local.py'),
                         '--processes=2', '--devices=4', '--heartbeat_timeout=30', '--', *args,
                         f'--workdir={workdir}'], cwd=REPO, env=env, capture_output=True,

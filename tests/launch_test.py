@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, cli_env
 
 ZOO_ARGS = ['--config=experiments/char_lm.py', '--workdir=/mnt/runs/lm', '--config.mesh.shape=(-1, 4)']
 
@@ -39,7 +39,7 @@ def test_tpu_pod_refuses_a_run_the_slice_cannot_fit_before_touching_a_vm():
   """The plan runs here first, for the slice (the test above passed one that fits); a config
   the TPU compiler refuses stops the launcher before any command, with its figures."""
   pytest.importorskip('libtpu')
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   refused = subprocess.run([sys.executable, 'launch/tpu_pod.py', '--tpu=pod',
                             '--accelerator_type=v5litepod-16', '--zone=z', '--dry_run', '--',
                             '--config=experiments/char_lm.py:1b', '--workdir=gs://b/r',

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, experiment, read_metrics
+from conftest import REPO, cli_env, experiment, read_metrics
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.errors import ConfigError
 from zoo.hf import transfer
@@ -176,7 +176,7 @@ def test_merged_and_peft_exports_give_zoo_logits(imported, tuned, tmp_path, devi
     np.testing.assert_allclose(model(torch.tensor(x, dtype=torch.long)).logits.numpy(), want,
                                atol=1e-4, rtol=1e-4)
   adapter = tmp_path / 'adapter'
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   result = subprocess.run([sys.executable, '-m', 'zoo.convert', 'export', f'--workdir={tuned}',
                            f'--hf_dir={adapter}', '--peft'], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=180, check=False)

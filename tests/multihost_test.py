@@ -10,7 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import REPO, experiment, load_config, read_metrics, run_cli, tiny_gpt2
+from conftest import (REPO, cli_env, experiment, load_config, read_metrics, run_cli,
+                      tiny_gpt2)
 from zoo.run import train
 
 STEPS = 6
@@ -99,7 +100,7 @@ HEARTBEAT = 10  # Seconds without heartbeats after which a process counts as dea
 
 
 def _start(i, port, workdir):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   cmd = [sys.executable, '-m', 'zoo.main', '--cpu_devices=4', f'--coordinator_address=127.0.0.1:{port}',
          '--num_processes=2', f'--process_id={i}', f'--heartbeat_timeout={HEARTBEAT}', *FLAGS,
          f'--workdir={workdir}', *ENDLESS]
@@ -219,7 +220,7 @@ def test_a_command_failing_on_one_process_ends_its_peer_within_the_heartbeat(
   import local  # pylint: disable=import-outside-toplevel
   hf, run = imported_gpt2
   port, missing = local.free_port(), str(tmp_path / 'not-mounted')
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   procs = []
   for i in (0, 1):
     if command == 'sample':

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, count_calls, load_config
+from conftest import REPO, cli_env, count_calls, load_config
 from zoo.errors import CheckpointError, ConfigError
 from zoo.models import decode
 from zoo.run import sampling
@@ -20,7 +20,7 @@ NUM_CHARS = 50  # Beyond the smoke model's max_len of 32: the context slides.
 
 def run_sample(*args, devices=8):
   """Runs `python -m zoo.sample ARGS` on `devices` emulated CPU devices."""
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   cmd = [sys.executable, '-m', 'zoo.sample', f'--cpu_devices={devices}', *args]
   return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=120,
                         check=False)

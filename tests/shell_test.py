@@ -1,13 +1,12 @@
 """The shell every command runs in (zoo/shell.py): --help exits 0, and what a user gets
 wrong (a flag, an experiment file, a config value) is one `zoo: error:` line, exit 1,
 nothing written, never a traceback."""
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO, experiment, run_cli
+from conftest import REPO, cli_env, experiment, run_cli
 
 COMMANDS = {'zoo.main': '--cpu_devices', 'zoo.sample': '--cpu_devices',
             'zoo.convert': '--cpu_devices', 'zoo.prepare': 'log_libraries',
@@ -15,7 +14,7 @@ COMMANDS = {'zoo.main': '--cpu_devices', 'zoo.sample': '--cpu_devices',
 
 
 def _run(module, *args, timeout=120):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   return subprocess.run([sys.executable, '-m', module, *args], env=env, cwd=REPO,
                         capture_output=True, text=True, timeout=timeout, check=False)
 

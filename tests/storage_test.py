@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import REPO, experiment, read_metrics, run_cli
+from conftest import REPO, cli_env, experiment, read_metrics, run_cli
 
 ORBAX_INFO = 'No errors found in background save thread'  # Orbax logs it per async save.
 
@@ -97,7 +97,7 @@ def test_a_quota_exceeded_is_one_line_and_frees_the_workdir(tmp_path):
   and the fix, exit 1, the lease released. This kernel's tmpfs has no quotas, so the error
   is raised where the storage would raise it, writing the run's config.json."""
   workdir = tmp_path / 'run'
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   result = subprocess.run([sys.executable, '-c', _QUOTA, '--cpu_devices=2', *_args(workdir, 4)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
                           check=False)
@@ -177,7 +177,7 @@ def test_storage_turning_read_only_mid_run_ends_in_one_line_and_resumes(tmp_path
   args = [f'--config={experiment("char_lm")}:smoke', f'--workdir={workdir}',
           '--config.train.steps=100000', '--config.train.log_every_steps=1',
           '--config.eval.every_steps=100000', '--config.checkpoint.every_steps=10']
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   def logged():
     try:
       return len(read_metrics(workdir))

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, experiment, load_config
+from conftest import REPO, cli_env, experiment, load_config
 from zoo.data import feed
 from zoo.errors import ConfigError
 from zoo.parallel import mesh as mesh_lib
@@ -198,7 +198,7 @@ def test_multi_slice_plans_list_the_cross_slice_transfers():
      r'config\.mesh\.dcn_shape: \(1, 1\) makes 1 slices but there are 2 slices'),
 ])
 def test_bad_topology_flags_are_one_line(args, message):
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env = cli_env()
   result = subprocess.run([sys.executable, '-m', 'zoo.main', f'--config={experiment("char_lm")}:smoke',
                            *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
                           check=False)
