@@ -66,14 +66,21 @@ def _stop(procs, grace, sig=signal.SIGTERM):
       p.wait()
 
 
-def run(processes, devices, zoo_args, timeout=None, heartbeat_timeout=60, grace=10):
-  """Starts the processes; returns the job's exit code (0 only if all exit 0)."""
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_NUM_CPU_DEVICES')}
-  flags = [f for f in os.environ.get('XLA_FLAGS', '').split()  # --devices sets the count.
+def process_env(environ):
+  """Each process's environment: `environ` without a CPU device count (--devices sets it);
+  the user's other XLA flags reach every process."""
+  env = {k: v for k, v in environ.items() if k not in ('XLA_FLAGS', 'JAX_NUM_CPU_DEVICES')}
+  flags = [f for f in environ.get('XLA_FLAGS', '').split()
            if not f.startswith('--xla_force_host_platform_device_count')]
-  if flags:  # The user's other XLA flags reach every process.
+  if flags:
     env['XLA_FLAGS'] = ' '.join(flags)
   env['PYTHONUNBUFFERED'] = '1'
+  return env
+
+
+def run(processes, devices, zoo_args, timeout=None, heartbeat_timeout=60, grace=10):
+  """Starts the processes; returns the job's exit code (0 only if all exit 0)."""
+  env = process_env(os.environ)
   procs = []
   for i, cmd in enumerate(commands(processes, devices, free_port(), zoo_args, heartbeat_timeout)):
     procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

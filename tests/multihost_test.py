@@ -247,3 +247,14 @@ def test_a_command_failing_on_one_process_ends_its_peer_within_the_heartbeat(
   assert stderr[1].strip().splitlines()[-1].startswith(f'zoo: error: {flag}: {missing} '), stderr[1][-2000:]
   assert survivor != 0, stderr[0][-2000:]
   assert elapsed < HEARTBEAT + 10, f'process 0 took {elapsed:.1f} s'
+
+
+def test_the_local_launcher_sets_the_device_count_and_keeps_other_xla_flags():
+  sys.path.insert(0, os.path.join(REPO, 'launch'))
+  import local  # pylint: disable=import-outside-toplevel
+  env = local.process_env({'XLA_FLAGS': '--xla_dump_to=/tmp/d '
+                                        '--xla_force_host_platform_device_count=8',
+                           'JAX_NUM_CPU_DEVICES': '8', 'HOME': '/h'})
+  assert env == {'XLA_FLAGS': '--xla_dump_to=/tmp/d', 'HOME': '/h', 'PYTHONUNBUFFERED': '1'}
+  assert 'XLA_FLAGS' not in local.process_env(
+      {'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
