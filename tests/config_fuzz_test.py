@@ -1,8 +1,8 @@
 """Bad values in every config field of every experiment: each is accepted (and then its
 train and eval steps trace and lower), refused by the flag parser (a wrong type), or
 refused by the preflight (config.validate, then the checked Setup with its memory bound)
-with a ConfigError that names the field; never another exception, never a hang. The cases come from the configs themselves, so a new field is
-covered without editing this test.
+with a ConfigError that names the field; never another exception, never a hang. The cases
+come from the configs themselves, so a new field is covered without editing this test.
 
 Fields shared by every experiment (base_config's) are tried on one experiment; the model
 and data fields of each experiment on that experiment (finetune_lm's and finetune_chat's are

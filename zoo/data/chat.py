@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from zoo.data import documents
 from zoo.errors import ConfigError
 
 GENERATION_TAG = '{% generation %}'
@@ -209,7 +210,6 @@ def encode(tokenizer: Any, text: str, spans: list[tuple[int, int]]
 
 def read_conversations(path: str, field: str = 'messages'):
   """(where, messages) for each line of a JSON Lines file."""
-  from zoo.data import documents  # pylint: disable=import-outside-toplevel
   for number, record in documents.json_records(path):
     where = f'--input: {path} line {number}'
     yield where, check_conversation(record, where, field)
