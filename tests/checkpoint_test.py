@@ -179,6 +179,19 @@ def test_damaged_checkpoint_fails_clearly_or_falls_back(straight, how, tmp_path,
   assert [losses[s] for s in range(N + 1, 2 * N + 1)] == [reference[s] for s in range(N + 1, 2 * N + 1)]
 
 
+def test_a_first_save_cut_short_restarts_at_step_0_and_says_so(straight, tmp_path, caplog):
+  """A kill during the first save leaves only `N.orbax-checkpoint-tmp`: never restored."""
+  workdir = str(tmp_path)
+  os.makedirs(os.path.join(workdir, 'checkpoints'))
+  shutil.copytree(os.path.join(straight, 'checkpoints', str(N)),
+                  os.path.join(workdir, 'checkpoints', f'{N}.orbax-checkpoint-tmp'))
+  with caplog.at_level('INFO'):
+    train.train_and_evaluate(_config(), workdir)
+  assert 'no complete checkpoint in' in caplog.text and 'resuming' not in caplog.text
+  assert _losses(workdir) == _losses(straight)
+  assert sorted(os.listdir(os.path.join(workdir, 'checkpoints'))) == sorted([str(N), str(2 * N)])
+
+
 def test_init_from_takes_params_only(straight, tmp_path, devices):
   del devices
   config = _config(**{'checkpoint.init_from': straight, 'train.steps': 2})

@@ -273,6 +273,7 @@ def restore_or_init(workdir: str, abstract: Any, create: Callable[[], Any],
     if restored is not None:
       logging.info('resuming from step %d of %s', step, manager.directory)
       return abstract.replace(**restored), manager
+    logging.info('no complete checkpoint in %s: starting at step 0', manager.directory)
   state = create()
   if c.init_from:
     wanted = _without(target['params'], fresh)[0] if fresh else target['params']
