@@ -92,7 +92,8 @@ def test_the_same_task_scores_alike_through_zoo_and_through_the_harness_hf_model
   from zoo.run import harness  # pylint: disable=import-outside-toplevel
   hf = lm_eval.simple_evaluate(
       model='hf', model_args=f'pretrained={setting["hf"]},device=cpu,dtype=float32',
-      tasks=TASKS, task_manager=TaskManager(include_path=setting['tasks']), log_samples=True,
+      tasks=TASKS, task_manager=TaskManager(include_path=setting['tasks'], include_defaults=False),
+      log_samples=True,
       batch_size=4)
   zoo = harness.evaluate(setting['zoo'], TASKS, setting['tasks'], batch_size=4,
                          mesh_shape='4,2', log_samples=True)
@@ -131,6 +132,27 @@ def test_a_rolling_window_longer_than_max_len_scores_as_the_hf_model_does(settin
   want = HFLM(pretrained=setting['hf'], device='cpu', dtype='float32',
               batch_size=4).loglikelihood_rolling([request])[0]
   assert model.max_length == 32 and got == pytest.approx(want, abs=1e-4) and got < -100
+
+
+def test_local_tasks_are_found_without_indexing_the_harness_own(setting, monkeypatch):
+  """Tasks that --include_path defines are looked up there alone (the harness's own 15k task
+  files take seconds to index); a name it lacks gets the full index."""
+  import lm_eval.tasks  # pylint: disable=import-outside-toplevel
+  from zoo.run import harness  # pylint: disable=import-outside-toplevel
+  built, real = [], lm_eval.tasks.TaskManager
+  def manager(include_path=None, include_defaults=True):
+    built.append(include_defaults)
+    return 'full' if include_defaults else real(include_path=include_path, include_defaults=False)
+  monkeypatch.setattr(lm_eval.tasks, 'TaskManager', manager)
+  index = harness._task_manager  # pylint: disable=protected-access
+  index.cache_clear()
+  try:
+    assert set(TASKS) <= set(index(setting['tasks'], tuple(TASKS)).all_tasks)
+    assert built == [False]
+    assert index(setting['tasks'], ('zoo_toy_choice', 'hellaswag')) == 'full'
+    assert built == [False, False, True]
+  finally:
+    index.cache_clear()
 
 
 def test_the_command_prints_the_table_and_writes_results(setting, tmp_path):

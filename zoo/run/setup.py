@@ -59,8 +59,9 @@ class Setup:
 
   def abstract_state(self) -> steps.TrainState:
     """The state's ShapeDtypeStructs carrying their shardings: what a plan compiles for and
-    a restore reads into."""
-    shapes = jax.eval_shape(lambda rng: nn.meta.unbox(self.init_state(rng)), self.rng)
+    a restore reads into. (The logical state's shapes, unboxed: the model is not traced again.)"""
+    shapes = jax.tree.map(lambda x: x.value if isinstance(x, nn.Partitioned) else x,
+                          self.logical_state, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         shapes, self.state_shardings)
 
