@@ -215,18 +215,22 @@ class ZooLM(TemplateLM):
     return texts
 
 
-@functools.lru_cache(maxsize=4)
 def _task_manager(include_path: str, tasks: tuple[str, ...]) -> Any:
   """An index of the harness's tasks that knows `tasks`: those under `include_path` alone
   when they define every one of them as a task, else those and every task the harness
-  ships (reading its 15k task YAML files takes 12 s on a 2-core CPU). Built once per
-  process."""
-  from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
+  ships (reading its 15k task YAML files takes 12 s on a 2-core CPU)."""
   if include_path:
-    local = TaskManager(include_path=include_path, include_defaults=False)
+    local = _index(include_path, False)
     if set(tasks) <= set(local.all_subtasks):  # A group may name the harness's tasks.
       return local
-  return TaskManager(include_path=include_path or None)
+  return _index(include_path, True)
+
+
+@functools.lru_cache(maxsize=4)
+def _index(include_path: str, defaults: bool) -> Any:
+  """The harness's TaskManager: built once per process."""
+  from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
+  return TaskManager(include_path=include_path or None, include_defaults=defaults)
 
 
 def evaluate(workdir: str, tasks: list[str], include_path: str = '', limit: Optional[float] = None,
