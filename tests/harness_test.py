@@ -93,8 +93,7 @@ def test_the_same_task_scores_alike_through_zoo_and_through_the_harness_hf_model
   hf = lm_eval.simple_evaluate(
       model='hf', model_args=f'pretrained={setting["hf"]},device=cpu,dtype=float32',
       tasks=TASKS, task_manager=TaskManager(include_path=setting['tasks'], include_defaults=False),
-      log_samples=True,
-      batch_size=4)
+      log_samples=True, batch_size=4)
   zoo = harness.evaluate(setting['zoo'], TASKS, setting['tasks'], batch_size=4,
                          mesh_shape='4,2', log_samples=True)
   compared = 0
