@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tempfile
 
-# XLA:CPU's backend (LLVM) at optimisation level 0: compiling is most of the suite's time
+# XLA:CPU's backend (LLVM) at optimisation level 0: compiling was most of the suite's time
 # and its programs are tiny (a LoRA smoke run: 8.6 s of backend compile instead of 17.2 s,
 # the same losses). The numbers the tests compare are computed under the same flags.
 COMPILER_FLAGS = '--xla_backend_optimization_level=0'
