@@ -36,7 +36,9 @@ command; the README's results tables have the byte-level model on the same files
 mixture's per-source numbers). `:smoke`: seconds, on any token
 dataset given as --config.data.path.
 """
-from zoo.run.config import base_config
+from ml_collections.config_dict import placeholder
+
+from zoo.run.config import base_config, model_config
 
 
 def get_config(arg=None):
@@ -45,17 +47,20 @@ def get_config(arg=None):
     raise ValueError(f'unknown variant {arg!r} of bpe_lm; known: smoke, gpt2 or llama, mixture '
                      '(e.g. smoke,gpt2)')
   c = base_config()
-  c.model.name = 'transformer_lm'
-  c.model.num_layers = 4
-  c.model.d_model = 128
-  c.model.num_heads = 8          # Split over the 'model' mesh axis: up to 8 ways.
-  c.model.mlp_dim = 512
-  c.model.max_len = 128
-  c.model.positions = 'learned'
-  c.model.scan_layers = False
-  c.model.remat = 'none'
-  c.model.dtype = 'float32'
-  c.model.dropout_rate = 0.0
+  # Every transformer_lm field is a key (model_config): a command line sets any of them.
+  c.model = model_config(
+      'transformer_lm',
+      num_layers=4,
+      d_model=128,
+      num_heads=8,               # Split over the 'model' mesh axis: up to 8 ways.
+      mlp_dim=512,
+      max_len=128,
+      positions='learned',
+      scan_layers=False,
+      remat='none',
+      dtype='float32',
+      dropout_rate=0.0,
+      vocab_size=placeholder(int))  # None: the tokenizer's; larger pads the vocabulary.
   c.data.name = 'tokens'
   c.data.path = 'data/stdlib_bpe'  # Written by the prepare command above.
   c.data.seq_len = 128           # Tokens: about 470 bytes of source.

@@ -1,4 +1,5 @@
 """Bad input: a one-line error naming the field, non-zero exit, nothing written."""
+import json
 import os
 import re
 
@@ -61,7 +62,7 @@ BAD_INPUTS = {
     'kv heads do not divide': ({'model.num_kv_heads': 3}, r'config\.model\.num_kv_heads: 3 does not divide model\.num_heads=8', 'char_lm'),
     'unknown norm': ({'model.norm': 'batch'}, r"config\.model\.norm: unknown norm 'batch'; known: layer, rms", 'char_lm'),
     'unknown activation': ({'model.mlp_activation': 'relu'}, r"config\.model\.mlp_activation: unknown mlp_activation 'relu'; known: gelu, gelu_exact, swiglu", 'char_lm'),
-    'unknown attention': ({'model.attention': 'flash'}, r"config\.model\.attention: unknown attention 'flash'; known: xla, cudnn", 'char_lm'),
+    'unknown attention': ({'model.attention': 'flash'}, r"config\.model\.attention: unknown attention 'flash'; known: auto, xla, cudnn", 'char_lm'),
     'zero rope theta': ({'model.rope_theta': 0.0}, r'config\.model\.rope_theta: must be positive, got 0\.0', 'char_lm'),
     'init_from missing': ({'checkpoint.init_from': '/nonexistent/run'},
                           r'config\.checkpoint\.init_from: /nonexistent/run is not a directory'),
@@ -153,3 +154,56 @@ def test_unsupported_remote_workdir_is_rejected_not_written_locally(tmp_path, de
                                         r'paths are supported'):
     train.train_and_evaluate(load_config('mlp_digits'), 's3://b/run')
   assert not list(tmp_path.iterdir())
+
+
+def _documented_model_keys():
+  """The `model.X` keys of docs/configuration.md's Transformer switches and family rows."""
+  text = open(os.path.join(os.path.dirname(__file__), '..', 'docs', 'configuration.md')).read()
+  switches = text[text.index('**Transformer switches**'):]
+  switches = switches[:switches.index('\n\n', switches.index('| key |'))]
+  keys = set(re.findall(r'`model\.([a-z_0-9]+)`', switches))
+  keys |= set(re.findall(r'`(rope_[a-z_]+)`', switches))  # Named in the rope_scaling row.
+  keys |= {'num_layers', 'd_model', 'num_heads', 'mlp_dim', 'max_len'}  # transformer_lm's row.
+  return keys - {'name'}
+
+
+def _parse_flags(argv):
+  """argv through absl and ml_collections' --config flag, as `python -m zoo.main` parses it."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  values, argv = flags.FlagValues(), ['zoo.main'] + argv
+  holder = config_flags.DEFINE_config_file('config', None, 'test', flag_values=values,
+                                           sys_argv=argv)
+  values(argv)
+  return holder.value
+
+
+@pytest.mark.parametrize('name', ['char_lm', 'bpe_lm', 'finetune_lm'])
+def test_every_documented_model_key_is_settable_on_every_lm_experiment(name, tmp_path):
+  """docs/configuration.md's model keys: each one set on the command line of each language-
+  model experiment (finetune_lm's model is an imported workdir's config.json, here one that
+  names only the sizes) reaches the config; `rope_theta` on char_lm failed before."""
+  arg = 'smoke'
+  if name == 'finetune_lm':
+    (tmp_path / 'config.json').write_text(json.dumps({'model': {
+        'name': 'transformer_lm', 'num_layers': 2, 'd_model': 64, 'num_heads': 4, 'mlp_dim': 128,
+        'max_len': 32, 'vocab_size': 300}}))
+    arg = f'{tmp_path},smoke'
+  keys = _documented_model_keys()
+  assert {'rope_theta', 'attention', 'sliding_window', 'final_softcap', 'lora'} <= keys
+  config = load_config(name, arg)
+  missing = sorted(k for k in keys if k not in config.model)
+  assert not missing, f'{name} has no config.model field for {missing}'
+  new = {'rope_theta': '500000', 'sliding_window': '16', 'final_softcap': '30.0', 'qk_norm': 'True',
+         'norm': 'rms', 'lora.rank': '4', 'head_dim': '16', 'rope_original_max_len': '64'}
+  parsed = _parse_flags([f'--config={experiment(name)}:{arg}'] +
+                        [f'--config.model.{k}={v}' for k, v in new.items()])
+  assert parsed.model.rope_theta == 500000 and parsed.model.sliding_window == 16
+  assert parsed.model.final_softcap == 30.0 and parsed.model.qk_norm is True
+  assert parsed.model.norm == 'rms' and parsed.model.lora.rank == 4
+  assert parsed.model.head_dim == 16 and parsed.model.rope_original_max_len == 64
+  # Keys left alone build the model the module's defaults build.
+  from zoo import models  # pylint: disable=import-outside-toplevel
+  built = models.build(config.model, vocab_size=300, max_len=32)
+  for key in keys - {'lora', 'num_kv_heads', 'vocab_size'} - set(new):
+    assert getattr(built, key) == config.model[key], key

@@ -18,6 +18,7 @@ from zoo import data, models
 from zoo.data import choice
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError, fail, first_line
+from zoo.models import lora as lora_lib
 from zoo.parallel import mesh as mesh_lib
 from zoo.parallel import sharding
 from zoo.run import optim, tasks
@@ -91,6 +92,31 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+# Module fields that are not config keys: Linen's own, and the decoding switch that
+# zoo.sample sets.
+_NOT_KEYS = ('parent', 'name', 'decode')
+
+
+def model_config(name: str, **fields) -> ml_collections.ConfigDict:
+  """config.model for family `name`: `fields`, then every other field its module declares
+  with a default (the documented model keys), so that a command line can set any of them.
+  `lora` gets every projection of the model's MLP as its targets, at rank 0 (none)."""
+  values = {'name': name, **fields}
+  if name not in models.MODELS:  # validate_model names the field.
+    return ml_collections.ConfigDict(values)
+  for f in dataclasses.fields(models.MODELS[name].module):
+    if f.name in values or f.name in _NOT_KEYS or f.default is dataclasses.MISSING:
+      continue
+    values[f.name] = f.default
+  if isinstance(values.get('lora'), lora_lib.Lora):
+    gated = values.get('mlp_activation') in ('swiglu', 'geglu')
+    values['lora'] = ml_collections.ConfigDict(dict(
+        rank=0, alpha=0.0, dropout=0.0,
+        targets=('query', 'key', 'value', 'out') + (('wi_gate', 'wi_up', 'wo') if gated
+                                                    else ('wi', 'wo'))))
+  return ml_collections.ConfigDict(values)
+
+
 def imported_model(workdir: str, experiment: str, lora_rank: int = 0
                    ) -> ml_collections.ConfigDict:
   """base_config() with the model of an imported workdir (its config.json's fields, exactly),
@@ -103,7 +129,8 @@ def imported_model(workdir: str, experiment: str, lora_rank: int = 0
                      '(python -m zoo.convert import --hf_dir=... --workdir=WORKDIR), '
                      f'--config=experiments/{experiment}.py:WORKDIR[,smoke]')
   c = base_config()
-  c.model.update(json.loads(storage.read_text(found))['model'])
+  model = dict(json.loads(storage.read_text(found))['model'])
+  c.model = model_config(model.pop('name', None), **model)
   gated = c.model.get('mlp_activation') in ('swiglu', 'geglu')
   c.model.lora = ml_collections.ConfigDict(dict(
       rank=lora_rank, alpha=2.0 * lora_rank, dropout=0.0,
