@@ -18,7 +18,7 @@ accelerator: this corpus is far too small to train them well. Plan one before ru
 from ml_collections.config_dict import placeholder
 
 from zoo.parallel.sharding import fsdp_rules
-from zoo.run.config import base_config
+from zoo.run.config import base_config, model_config
 
 
 def get_config(arg=None):
@@ -27,25 +27,27 @@ def get_config(arg=None):
     raise ValueError(f'unknown variant {arg!r} of char_lm; known: smoke, fsdp (e.g. smoke,fsdp), '
                      '100m, 1b')
   c = base_config()
-  c.model.name = 'transformer_lm'
-  c.model.num_layers = 4
-  c.model.d_model = 128
-  c.model.num_heads = 8          # Split over the 'model' mesh axis: up to 8 ways.
-  c.model.mlp_dim = 512          # Split over the 'model' mesh axis.
-  c.model.max_len = 128
-  c.model.positions = 'learned'  # Or 'rotary'.
-  c.model.scan_layers = False    # True: one compiled block, params stacked on a 'layers' axis.
-  c.model.remat = 'none'         # 'full', 'dots', 'dots_no_batch': recompute in the backward pass.
-  c.model.dtype = 'float32'      # 'bfloat16': bf16 compute, f32 params, f32 softmax and loss.
-  c.model.dropout_rate = 0.0
-  # The switches published architectures differ by (zoo/models/transformer.py), here so that
-  # a command line can set them: a Llama-shaped run is rotary, rms, swiglu, num_kv_heads.
-  c.model.attention = 'xla'      # 'splash': the Pallas TPU kernel (long sequences); 'cudnn'.
-  c.model.norm = 'layer'         # Or 'rms'.
-  c.model.norm_epsilon = 1e-6
-  c.model.mlp_activation = 'gelu'  # Or 'gelu_exact', 'swiglu'.
-  c.model.num_kv_heads = placeholder(int)  # None: num_heads; fewer: grouped-query attention.
-  c.model.vocab_size = placeholder(int)  # None: the data's; larger pads the vocabulary.
+  # Every transformer_lm field is a key here (model_config: those left out keep the module's
+  # defaults), so a command line sets any of them: a Llama-shaped run is rotary, rms, swiglu,
+  # num_kv_heads, rope_theta (zoo/models/transformer.py, docs/configuration.md).
+  c.model = model_config(
+      'transformer_lm',
+      num_layers=4,
+      d_model=128,
+      num_heads=8,               # Split over the 'model' mesh axis: up to 8 ways.
+      mlp_dim=512,               # Split over the 'model' mesh axis.
+      max_len=128,
+      positions='learned',       # Or 'rotary'.
+      scan_layers=False,         # True: one compiled block, params stacked on a 'layers' axis.
+      remat='none',              # 'full', 'dots', 'dots_no_batch': recompute in the backward pass.
+      dtype='float32',           # 'bfloat16': bf16 compute, f32 params, f32 softmax and loss.
+      dropout_rate=0.0,
+      attention='auto',          # cuDNN's kernel on GPUs, splash on TPUs, else 'xla'.
+      norm='layer',              # Or 'rms'.
+      norm_epsilon=1e-6,
+      mlp_activation='gelu',     # Or 'gelu_exact', 'swiglu'.
+      num_kv_heads=placeholder(int),  # None: num_heads; fewer: grouped-query attention.
+      vocab_size=placeholder(int))    # None: the data's; larger pads the vocabulary.
   c.data.name = 'text'
   c.data.path = ''               # Empty: Python's bundled docs. Else a UTF-8 text file.
   c.data.seq_len = 128

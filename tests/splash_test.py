@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import load_config, trainer
-from zoo.models import splash, transformer
+from zoo.models import attention, transformer
 from zoo.parallel import mesh as mesh_lib
 from zoo.parallel import sharding, topology
 from zoo.run import perf, setup as setup_lib
@@ -72,7 +72,7 @@ def test_shapes_it_cannot_take_run_xla_and_say_so_once(devices, caplog):
   """A length that is no multiple of 128 and a decode step: XLA's attention, the same
   numbers, one warning per reason."""
   del devices
-  splash._SAID.clear()  # pylint: disable=protected-access
+  attention._SAID.clear()  # pylint: disable=protected-access
   mesh = mesh_lib.make_mesh((4, 2), ('batch', 'model'))
   x = jax.random.normal(jax.random.key(0), (8, 32, 32))
   with caplog.at_level(logging.WARNING), sharding.scope(mesh, sharding.standard_rules()):
@@ -88,7 +88,7 @@ def test_shapes_it_cannot_take_run_xla_and_say_so_once(devices, caplog):
 
 def test_sampling_from_a_splash_model_decodes_with_xla(devices, caplog):
   del devices
-  splash._SAID.clear()  # pylint: disable=protected-access
+  attention._SAID.clear()  # pylint: disable=protected-access
   from zoo.models import decode  # pylint: disable=import-outside-toplevel
   t = trainer('char_lm', **LM, **{'model.attention': 'splash'})
   prompts = np.zeros((8, 4), np.int32)

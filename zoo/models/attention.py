@@ -10,16 +10,24 @@ scores and per-head query/key norms.
   value cache too). `local` says whether this layer is one: a Python bool, or under
   nn.scan a traced one (layers alternate local and global in Gemma 2 and 3).
 - Soft-capped scores (Gemma 2): cap * tanh(scores / cap) before the mask, computed here in
-  XLA (jax.nn.dot_product_attention has no cap); everything else goes through
-  jax.nn.dot_product_attention ('xla', 'cudnn') or the splash kernel (zoo.models.splash).
+  XLA (no fused kernel has the cap).
+- The implementation (`implementation`): 'xla' or 'cudnn' (cuDNN's fused flash attention),
+  jax.nn.dot_product_attention's, or 'splash' (the Pallas TPU kernel, zoo.models.splash);
+  'auto' (the default) picks by the platform the step is compiled for: cuDNN on NVIDIA GPUs,
+  splash on TPUs, XLA's elsewhere. A layer the chosen kernel cannot take (a float32 model on
+  cuDNN, soft-capped scores, a sliding window on splash, decoding from a cache, shapes a
+  kernel refuses) runs XLA's and says so once in the log; `recording()` collects each
+  layer's choice for the plan (zoo.run.plan).
 - Query/key norms (Qwen3, Gemma 3): each head's queries and keys normalised over the head
   size before the rotation.
 
 Shapes are suffixed: B batch, L (M) query (key) length, D d_model, N heads, G key/value
 heads, K heads per group, H head size, S cache positions, R LoRA rank.
 """
-from typing import Any, Optional, Union
+import contextlib
+from typing import Any, Iterator, Optional, Union
 
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,9 +35,44 @@ import jax.numpy as jnp
 from zoo.models import lora as lora_lib
 from zoo.models import rope as rope_lib
 from zoo.models import splash
-from zoo.models.layers import norm, param
+from zoo.models.layers import norm, param, platform
 
 Flag = Union[bool, jax.Array]  # A layer's `local`: static, or traced under nn.scan.
+
+
+IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'splash')
+_SAID: set = set()  # (layer path, reason) pairs logged.
+_record: Optional[dict] = None  # While recording(): layer path -> (implementation, why).
+
+
+def auto(platform_name: str) -> str:
+  """What 'auto' picks on a platform: the fused kernel its vendor ships."""
+  return {'gpu': 'cudnn', 'cuda': 'cudnn', 'tpu': 'splash'}.get(platform_name, 'xla')
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[dict]:
+  """Collects, while steps are traced inside it, each attention layer's implementation:
+  {layer path: (implementation run, why not the requested one or '')}."""
+  global _record  # pylint: disable=global-statement
+  outer, _record = _record, {}
+  try:
+    yield _record
+  finally:
+    _record = outer
+
+
+def _ran(path: str, requested: str, kernel: str, why: str = '') -> None:
+  """Records what a layer ran: `kernel`, or XLA's attention where `why` says it could not
+  (logged once per layer and reason)."""
+  if _record is not None:
+    _record[path] = ('xla' if why else kernel, why)
+  if why and (path, why) not in _SAID:
+    _SAID.add((path, why))
+    chose = f' ({kernel} on {platform()})' if requested == 'auto' else ''
+    where = f'{path}: ' if path else ''
+    logging.warning("model.attention=%r%s: %s%s; XLA's attention runs there instead",
+                    requested, chose, where, why)
 
 
 def _select(local: Flag, if_local: Any, otherwise: Any) -> Any:
@@ -82,7 +125,7 @@ class Attention(nn.Module):
   query_scale_dim: int = 0              # Scores scaled by this**-0.5; 0: head_dim.
   softcap: float = 0.0
   window: int = 0
-  implementation: str = 'xla'
+  implementation: str = 'auto'  # One of IMPLEMENTATIONS.
   dtype: str = 'float32'
   decode: bool = False
   cache_length: int = 0
@@ -136,18 +179,16 @@ class Attention(nn.Module):
       if near_LM is not None:
         mask = near_LM[None, None] if mask is None else mask & near_LM
     scale = (self.query_scale_dim or self.head_dim) ** -0.5
+    out_BLNH = None
     if self.softcap:
       out_BLNH = _softcapped(q_BLNH, k_BMGH, v_BMGH, mask, causal, scale, self.softcap)
-    elif self.implementation == 'splash' and not self.is_initializing():  # Init: shapes only.
-      if self.decode:
-        splash.fallback('decoding from a key/value cache')
-      else:
-        out_BLNH = splash.attention(q_BLNH, k_BMGH, v_BMGH, causal, kv_act[2], segments_BL)
+    if not self.is_initializing():  # Init traces shapes only: XLA's below.
+      out_BLNH = self._fused(out_BLNH, q_BLNH, k_BMGH, v_BMGH, mask, causal, scale, kv_act[2],
+                             segments_BL, local)
     if out_BLNH is None:
       out_BLNH = jax.nn.dot_product_attention(
           q_BLNH, k_BMGH, v_BMGH, mask=mask, is_causal=causal,
-          scale=scale if self.query_scale_dim else None,
-          implementation=None if self.implementation == 'splash' else self.implementation)
+          scale=scale if self.query_scale_dim else None, implementation='xla')
     out_BLNH = nn.with_logical_constraint(out_BLNH, act)
     w_NHD = param(self, 'out', (self.num_heads, self.head_dim, d_model), ('heads', 'kv', 'embed'),
                   self.dtype)
@@ -157,6 +198,44 @@ class Attention(nn.Module):
       out_BLD = out_BLD + param(self, 'out_bias', (d_model,), ('embed',), self.dtype,
                                 nn.initializers.zeros_init())
     return out_BLD
+
+  def _fused(self, softcapped, q_BLNH, k_BMGH, v_BMGH, mask, causal, scale, kv_axis,
+             segments_BL, local):
+    """The chosen kernel's output, or None where XLA's attention runs (recorded and, for a
+    kernel that could not take the layer, logged). Explicit 'cudnn' raises what cuDNN
+    refuses; 'auto' falls back."""
+    requested = self.implementation
+    kernel = auto(platform()) if requested == 'auto' else requested
+    path = '/'.join(self.scope.path)
+    why = ''
+    if kernel == 'xla':
+      pass
+    elif softcapped is not None:
+      why = 'soft-capped scores'
+    elif self.decode:
+      why = 'decoding from a key/value cache'
+    elif kernel == 'splash':
+      why = ('a sliding window' if self.window and local is not False else
+             splash.refusal(q_BLNH, k_BMGH, kv_axis))
+      if not why:
+        _ran(path, requested, kernel)
+        return splash.attention(q_BLNH, k_BMGH, v_BMGH, causal, kv_axis, segments_BL)
+    elif kernel == 'cudnn':
+      if requested == 'auto' and q_BLNH.dtype not in (jnp.bfloat16, jnp.float16):
+        why = f'{q_BLNH.dtype} computation (cuDNN takes bfloat16 or float16)'
+      else:
+        try:
+          out_BLNH = jax.nn.dot_product_attention(
+              q_BLNH, k_BMGH, v_BMGH, mask=mask, is_causal=causal,
+              scale=scale if self.query_scale_dim else None, implementation='cudnn')
+          _ran(path, requested, kernel)
+          return out_BLNH
+        except (NotImplementedError, ValueError, RuntimeError) as e:  # cuDNN's refusals.
+          if requested != 'auto':
+            raise
+          why = f'cuDNN refused it ({str(e).splitlines()[0][:160]})'
+    _ran(path, requested, kernel, why)
+    return softcapped
 
   def _extend_cache(self, k_BLGH, v_BLGH, start_B, kv_act, local):
     """Writes this call's keys and values at the cache's next positions; returns the whole

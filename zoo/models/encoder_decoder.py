@@ -7,7 +7,6 @@ switches are zoo.models.transformer's; `num_layers` blocks on each side.
 """
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from zoo.models import layers, transformer
 from zoo.models.family import ModelFamily
@@ -26,8 +25,8 @@ class EncoderDecoder(transformer.Transformer, kw_only=True):
     rotary = self.positions == 'rotary'
 
     def embed(tokens, pos_name):
-      return transformer.embed_positions(self, jnp.take(embed_VD, tokens, axis=0), self.positions,
-                                         self.max_len, pos_name, train)
+      x_BLD = transformer.embed_tokens(self, embed_VD, tokens)
+      return transformer.embed_positions(self, x_BLD, self.positions, self.max_len, pos_name, train)
 
     enc_BMD = transformer.blocks(self, embed(inputs_BM, 'encoder_pos'), prefix='encoder_block',
                                  train=train, rotary=rotary)

@@ -44,6 +44,13 @@ def param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence, dt
   return module.param(name, partitioned(init, axes), shape).astype(dtype)
 
 
+def platform() -> str:
+  """The platform a step is traced for: the current mesh's devices' (compile-only pod
+  devices too), else JAX's default backend. Kernels are chosen by it."""
+  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None)
+  return device.platform if device is not None else jax.default_backend()
+
+
 def padded_vocab_size(vocab_size: int) -> int:
   return -(-vocab_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 

@@ -8,28 +8,19 @@ mesh axes that the logical rules give the batch and head dimensions, vmapped ove
 local batch. It does not scale queries: they are scaled by 1/sqrt(head size) first.
 Grouped-query attention maps query head n to key/value head n // (heads / kv heads), as
 jax.nn.dot_product_attention does. Off TPU it runs in Pallas's interpret mode (slow, for
-tests). Shapes it cannot take (lengths that are no multiple of 128, a batch or heads that
-do not divide over their mesh axes, decoding from a cache) return None: the caller runs
-XLA's attention and the log says so, once per reason.
+tests). `refusal` says which shapes it cannot take (lengths that are no multiple of 128, a
+batch or heads that do not divide over their mesh axes): zoo.models.attention runs XLA's
+attention there and the log says so.
 """
 import math
 from typing import Optional
 
-from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 LANES = 128          # The kernel's blocks are multiples of this along both lengths.
 MAX_BLOCK = 512      # Larger blocks, fewer grid steps (MaxText's default for long contexts).
-_SAID = set()
-
-
-def fallback(reason: str) -> None:
-  """Logs, once per reason, that XLA's attention runs where splash cannot."""
-  if reason not in _SAID:
-    _SAID.add(reason)
-    logging.warning("model.attention='splash': %s; XLA's attention runs there instead", reason)
 
 
 def _block(length: int) -> int:
@@ -42,29 +33,38 @@ def _mesh_size(entry) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: bool,
-              kv_axis: str, segments_BL: Optional[jax.Array] = None) -> Optional[jax.Array]:
-  """Attention of queries [B, L, N, H] over keys and values [B, M, G, H] (causal: query i
-  sees keys 0..i; with `segments_BL`, self-attention, only keys of its own segment), in
-  the splash kernel; None where the kernel cannot take the shapes. `kv_axis` is the
-  logical name of the key/value heads' activations."""
-  batch, length, heads, head_dim = q_BLNH.shape
+def refusal(q_BLNH: jax.Array, k_BMGH: jax.Array, kv_axis: str) -> str:
+  """Why the kernel cannot take these queries [B, L, N, H] and keys [B, M, G, H] under the
+  current mesh and rules ('' if it can). `kv_axis` is the logical name of the key/value
+  heads' activations."""
+  batch, length, heads, _ = q_BLNH.shape
   kv_length, kv_heads = k_BMGH.shape[1], k_BMGH.shape[2]
   if length % LANES or kv_length % LANES:
-    fallback(f'lengths {length} and {kv_length} must be multiples of {LANES}')
-    return None
+    return f'lengths {length} and {kv_length} must be multiples of {LANES}'
   spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', 'act_heads', 'act_kv'))
   kv_spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', kv_axis, 'act_kv'))
   if spec[1] is not None or spec[3] is not None:
-    fallback('the rules split the sequence or the head size over the mesh')
-    return None
+    return 'the rules split the sequence or the head size over the mesh'
   batch_shards, head_shards, kv_shards = (_mesh_size(spec[0]), _mesh_size(spec[2]),
                                           _mesh_size(kv_spec[2]))
   if batch % batch_shards or heads % head_shards or kv_heads % kv_shards or (
       kv_shards != head_shards and kv_heads != heads):
-    fallback(f'batch {batch} and heads {heads}/{kv_heads} do not split over their mesh axes '
-              f'({batch_shards}, {head_shards}/{kv_shards})')
-    return None
+    return (f'batch {batch} and heads {heads}/{kv_heads} do not split over their mesh axes '
+            f'({batch_shards}, {head_shards}/{kv_shards})')
+  return ''
+
+
+def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: bool,
+              kv_axis: str, segments_BL: Optional[jax.Array] = None) -> jax.Array:
+  """Attention of queries [B, L, N, H] over keys and values [B, M, G, H] (causal: query i
+  sees keys 0..i; with `segments_BL`, self-attention, only keys of its own segment), in
+  the splash kernel, for shapes it takes (`refusal` is ''). `kv_axis` is the logical name
+  of the key/value heads' activations."""
+  _, length, heads, head_dim = q_BLNH.shape
+  kv_length = k_BMGH.shape[1]
+  spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', 'act_heads', 'act_kv'))
+  kv_spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', kv_axis, 'act_kv'))
+  head_shards = _mesh_size(spec[2])
   # Imported here: the kernel's modules cost every zoo process ~70 ms to import.
   from jax.experimental.pallas.ops.tpu import splash_attention  # pylint: disable=import-outside-toplevel
   kernel_lib = splash_attention.splash_attention_kernel

@@ -30,10 +30,14 @@ mesh axis (Megatron-LM, arXiv:1909.08053). The switches every Transformer family
   factors, and `rope_local_theta` (local layers' own rotary base: Gemma 3); GPT-2, Llama,
   Mistral, Qwen2/3, Gemma 1-3 and HF's ViT are settings of these (zoo.hf.layouts);
 - `lora`: low-rank adapters on the projections it names (zoo.models.lora);
-- `attention`: 'xla' or 'cudnn' (fused, on NVIDIA GPUs), jax.nn.dot_product_attention's
-  implementations, or 'splash', the Pallas TPU kernel that never holds the L x L scores
-  (zoo.models.splash; interpreted off TPU; no sliding windows or soft caps). Each takes
-  segment ids: packed documents (zoo.data.packing) attend only within themselves.
+- `embedding_grad`: how the token embedding's gradient is summed: 'auto' (the default),
+  'one_hot', 'sorted' or 'take' (zoo.models.embedding: no contended scatter on GPUs);
+- `attention`: 'auto' (the default: cuDNN's fused kernel on NVIDIA GPUs, splash on TPUs,
+  XLA's elsewhere, each layer falling back to XLA's where its kernel cannot take it),
+  'xla' or 'cudnn', jax.nn.dot_product_attention's implementations, or 'splash', the Pallas
+  TPU kernel that never holds the L x L scores (zoo.models.splash; interpreted off TPU; no
+  sliding windows or soft caps); zoo.models.attention. Each takes segment ids: packed
+  documents (zoo.data.packing) attend only within themselves.
 
 With `decode=True` a model keeps a key/value cache of `max_len` positions in the 'cache'
 collection, sharded over heads like the activations, and appends to it: a prompt's
@@ -57,10 +61,11 @@ import ml_collections
 import numpy as np
 
 from zoo.errors import fail
+from zoo.models import embedding
 from zoo.models import lora as lora_lib
 from zoo.models import rope as rope_lib
-from zoo.models.attention import Attention
-from zoo.models.layers import NORMS, norm as norm_layer, param
+from zoo.models.attention import IMPLEMENTATIONS, Attention
+from zoo.models.layers import NORMS, norm as norm_layer, param, platform
 
 REMAT_POLICIES = {
     'none': None,
@@ -71,7 +76,6 @@ REMAT_POLICIES = {
 DTYPES = ('float32', 'bfloat16')
 POSITIONS = ('learned', 'rotary')
 MLP_ACTIVATIONS = ('gelu', 'gelu_exact', 'swiglu', 'geglu')
-ATTENTION = ('xla', 'cudnn', 'splash')
 
 
 class Transformer(nn.Module):
@@ -104,7 +108,8 @@ class Transformer(nn.Module):
   sliding_window: int = 0        # 0: every layer global.
   global_every: int = 0          # With a window: layer i is global iff (i + 1) % this == 0.
   lora: lora_lib.Lora = lora_lib.Lora()
-  attention: str = 'xla'
+  attention: str = 'auto'
+  embedding_grad: str = 'auto'   # The token embedding's gradient (zoo.models.embedding).
   scan_layers: bool = False
   remat: str = 'none'
   dtype: str = 'float32'
@@ -133,7 +138,8 @@ def check_config(m: ml_collections.ConfigDict) -> None:
     fail('model.num_kv_heads', f'{m.num_kv_heads} does not divide model.num_heads='
          f'{m.num_heads}; grouped-query attention needs whole groups')
   choices = {'remat': tuple(REMAT_POLICIES), 'dtype': DTYPES, 'positions': POSITIONS,
-             'norm': NORMS, 'mlp_activation': MLP_ACTIVATIONS, 'attention': ATTENTION}
+             'norm': NORMS, 'mlp_activation': MLP_ACTIVATIONS, 'attention': IMPLEMENTATIONS,
+             'embedding_grad': embedding.METHODS}
   for key, known in choices.items():
     if key in m and m[key] not in known:
       fail(f'model.{key}', f'unknown {key} {m[key]!r}; known: {", ".join(known)}')
@@ -160,7 +166,7 @@ def check_config(m: ml_collections.ConfigDict) -> None:
          '0 < rope_low_freq_factor < rope_high_freq_factor')
   if m.get('attention') == 'splash' and (m.get('sliding_window') or m.get('attn_softcap')):
     fail('model.attention', "the splash kernel here has no sliding window or soft-capped "
-         "scores; use 'xla' (or 'cudnn' on GPUs) for this model")
+         "scores; use 'auto' (which runs XLA's attention in such layers) or 'xla'")
   if 'lora' in m:
     check_lora(m.lora, m.get('mlp_activation', 'gelu'))
 
@@ -351,6 +357,12 @@ def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Arra
   for i in range(module.num_layers):
     x_BLD, _ = cls(**fields, local=local[i], name=f'{prefix}_{i}')(x_BLD, *extra)
   return x_BLD
+
+
+def embed_tokens(module: Transformer, embed_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
+  """The rows of `embed_VD` for `tokens_BL`, differentiated by module.embedding_grad."""
+  method = embedding.method_for(module.embedding_grad, embed_VD.shape[0], platform())
+  return embedding.lookup(embed_VD, tokens_BL, method)
 
 
 def embed_positions(module: Transformer, x_BLD: jax.Array, positions: str, max_len: int,

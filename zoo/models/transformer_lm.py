@@ -37,7 +37,7 @@ class TransformerLM(transformer.Transformer, kw_only=True):
     positions and `start_B` each row's first cache position (left padding before it); see
     zoo.models.decode."""
     embed_VD = layers.embedding_table(self, self.vocab_size, self.d_model, self.dtype)
-    x_BLD = jnp.take(embed_VD, tokens_BL, axis=0)
+    x_BLD = transformer.embed_tokens(self, embed_VD, tokens_BL)
     if self.embed_scale:  # Gemma: sqrt(d_model), in the computation dtype as HF rounds it.
       x_BLD = x_BLD * jnp.asarray(np.float32(self.d_model) ** np.float32(0.5), x_BLD.dtype)
     # Tests take gradients with respect to the embedded inputs here (see transformer_test.py).

@@ -166,8 +166,8 @@ def step_cost(setup: 'Setup', state: Any, compiled: Any) -> dict:
   """FLOPs of one train step by this module's conventions, traced for `state` (arrays or
   their shapes), XLA's count of the `compiled` step, and the tokens a step trains on
   (sequence tasks)."""
-  if getattr(setup.model, 'attention', None) == 'splash':  # A Pallas kernel: no jaxpr FLOPs.
-    state = state.replace(apply_fn=setup.model.clone(attention='xla').apply)  # The same math.
+  if getattr(setup.model, 'attention', 'xla') != 'xla':  # Fused kernels have no jaxpr FLOPs:
+    state = state.replace(apply_fn=setup.model.clone(attention='xla').apply)  # the same math.
 
   def loss(params, state, batch):
     return steps.loss(params, state, batch, steps.dropout_key(setup.config.seed, state.step),

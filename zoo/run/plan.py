@@ -22,6 +22,7 @@ import ml_collections
 
 from zoo.data import feed
 from zoo.errors import ConfigError
+from zoo.models import attention
 from zoo.parallel import hlo, sharding, topology
 from zoo.run import config as cfg
 from zoo.run import perf
@@ -78,7 +79,7 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   devices = topology.devices(target) if target else jax.devices()
   cfg.validate(config, len(devices))
   setup = setup_lib.checked(config, devices, plan=True)
-  with setup.scope():
+  with setup.scope(), attention.recording() as chosen:
     state = setup.abstract_state()
     platform = devices[0].platform
     train = compile_step(platform, setup.jit_train_step(), state, setup.batch)
@@ -111,6 +112,7 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
       'hosts': {'processes': len(rows), 'devices_per_process': setup.mesh.size // len(rows),
                 'rows': {p: [r.start, r.stop] for p, r in rows.items()}},
       'params': setup.param_table(), 'bytes_per_device': held,
+      'attention': {'requested': config.model.get('attention'), 'layers': chosen},
       'compiled_memory': train.memory, 'eval_memory': evaluate.memory,
       'device_memory_bytes': budget, 'usable_bytes': usable, 'usable_source': usable_source,
       'fits': fits,
@@ -158,6 +160,22 @@ def _memory_lines(p: dict) -> list[str]:
   return lines
 
 
+def _attention_lines(p: dict) -> list[str]:
+  """Which implementation each attention layer runs (layers under nn.scan are one path)."""
+  layers = p['attention']['layers']
+  if not layers:
+    return []
+  lines = [f"attention (model.attention={p['attention']['requested']!r} on "
+           f"{p['platform']}), per layer:"]
+  groups = {}
+  for path, (used, why) in sorted(layers.items()):
+    groups.setdefault((used, why), []).append(path)
+  for (used, why), paths in groups.items():
+    shown = ', '.join(paths[:3]) + (f' ... ({len(paths)} in all)' if len(paths) > 3 else '')
+    lines.append(f'  {used:8s}{shown}' + (f' (not its kernel: {why})' if why else ''))
+  return lines
+
+
 def verdict(p: dict) -> str:
   """'fits in ...', 'DOES NOT FIT in ...', or '' where nothing was checked."""
   limit = min(x for x in (p['device_memory_bytes'], p['usable_bytes']) if x) \
@@ -180,7 +198,8 @@ def format_plan(p: dict) -> str:
   compiled = (f'the train step compiled in {p["compile_s"]:.1f} s, the eval step in '
               f'{p["eval_compile_s"]:.1f} s')
   lines = [f'mesh {p["mesh"]} on {p["devices"]} {p["platform"]} devices{on}; {compiled}', '',
-           sharding.format_param_table(p['params']), '', *_hosts(p), 'per device:']
+           sharding.format_param_table(p['params']), '', *_hosts(p),
+           *_attention_lines(p), 'per device:']
   held = p['bytes_per_device']
   for key, label in (('params', 'parameters'), ('optimizer', 'optimizer state'),
                      ('optimizer_full_fine_tune', '  (a full fine-tune\'s)'),
