@@ -99,3 +99,49 @@ def test_prefetch_after_close_raises_instead_of_waiting_forever():
   with pytest.raises(RuntimeError, match='the prefetch thread stopped before step'):
     for step in range(1, 100):  # What was queued before the close, then the error.
       batches.get(step)
+
+
+def test_a_programs_first_run_has_the_devices_to_itself(tmp_path, devices, monkeypatch):
+  """The prefetch thread builds and copies no batch while the train, check and eval steps
+  run for the first time (XLA captures cuDNN graphs then; a copy from the thread broke the
+  capture on an H100), and prefetches as before otherwise: events of a char_lm run with a
+  slowed first step, in order."""
+  del devices
+  events, lock = [], threading.Lock()
+
+  def log(what):
+    with lock:
+      events.append((what, threading.current_thread().name))
+  make = feed.TrainBatches.__call__
+
+  def logged_make(self, step):
+    log(f'make {step}')
+    return make(self, step)
+  monkeypatch.setattr(feed.TrainBatches, '__call__', logged_make)
+  compile_steps = train.compile_steps
+
+  def logged_compile(setup, state):
+    *fns, cost = compile_steps(setup, state)
+
+    def logged(name, fn):
+      def call(*args):
+        log(f'{name} start')
+        out = jax.block_until_ready(fn(*args))
+        if name == 'train' and not any(e[0] == 'train end' for e in events):
+          import time  # pylint: disable=import-outside-toplevel
+          time.sleep(0.5)  # The thread had time to build every queued batch by now.
+        log(f'{name} end')
+        return out
+      return call
+    return (*(logged(n, f) for n, f in zip(('train', 'check', 'eval'), fns)), cost)
+  monkeypatch.setattr(train, 'compile_steps', logged_compile)
+  config = load_config('char_lm', **{'train.steps': 12, 'eval.every_steps': 6,
+                                     'checkpoint.every_steps': 100, 'data.prefetch': 4})
+  train.train_and_evaluate(config, str(tmp_path / 'run'))
+  names = [e for e, _ in events]
+  for step in ('train', 'check', 'eval'):
+    first, end = names.index(f'{step} start'), names.index(f'{step} end')
+    assert not [e for e in names[first:end] if e.startswith('make')], (step, names[first:end])
+  made = [t for e, t in events if e.startswith('make')]
+  assert made == ['zoo-prefetch'] * 12  # Every batch on the thread, none given up.
+  assert names.index('make 5') > names.index('train end')  # Queued during the first run.

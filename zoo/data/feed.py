@@ -1,5 +1,6 @@
 """From a dataset's rows to global arrays on the devices: which rows this process builds,
 their assembly into global jax.Arrays, and prefetching on a background thread."""
+import contextlib
 import itertools
 import queue
 import threading
@@ -87,34 +88,58 @@ class Prefetch:
 
   Assembling a batch on the host and copying it onto the devices then overlap the steps
   that run before it, and go on while the loop waits to log, evaluate or save. `get`
-  returns the batches in step order and re-raises the thread's error. depth 0 builds
-  each batch when it is asked for.
+  returns the batches in step order and re-raises the thread's error; inside `quiet()` the
+  thread starts no batch. depth 0 builds each batch when it is asked for.
   """
 
   def __init__(self, make: Callable[[int], dict], start: int, stop: int, depth: int):
     self._make, self._depth = make, depth
     self._queue = queue.Queue(maxsize=max(depth, 1))
     self._closed = threading.Event()
+    self._go = threading.Event()   # Cleared inside quiet().
+    self._go.set()
+    self._making = threading.Lock()  # Held while the thread builds a batch.
     self._thread = None
     if depth:
       self._thread = threading.Thread(target=self._fill, args=(start, stop), daemon=True,
                                       name='zoo-prefetch')
       self._thread.start()
 
+  def _next(self, step):
+    """(step, batch or its error) once the loop is not quiet; None once closed."""
+    while not self._closed.is_set():
+      with self._making:
+        if self._go.is_set():  # Checked under the lock: quiet() waits for this batch.
+          try:
+            return step, self._make(step)
+          except BaseException as e:  # pylint: disable=broad-except
+            return step, e
+      self._go.wait(timeout=0.1)
+    return None
+
   def _fill(self, start, stop):
     for step in range(start, stop):
-      try:
-        item = (step, self._make(step))
-      except BaseException as e:  # pylint: disable=broad-except
-        item = (step, e)
-      while not self._closed.is_set():
+      item = self._next(step)
+      while item is not None and not self._closed.is_set():
         try:
           self._queue.put(item, timeout=0.1)
           break
         except queue.Full:
           continue
-      if self._closed.is_set() or isinstance(item[1], BaseException):
+      if item is None or self._closed.is_set() or isinstance(item[1], BaseException):
         return
+
+  @contextlib.contextmanager
+  def quiet(self):
+    """While held, the thread builds and copies no batch (one it was building is finished
+    first): a program's first execution then has the devices' streams to itself."""
+    self._go.clear()
+    with self._making:
+      pass
+    try:
+      yield
+    finally:
+      self._go.set()
 
   def get(self, step: int) -> dict:
     if not self._depth:

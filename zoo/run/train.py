@@ -115,6 +115,24 @@ class Reporter:
     self.restart_clock(step)
 
 
+def alone_at_first(fn: Callable, quiet: Callable) -> Callable:
+  """`fn` (a compiled step) whose first call runs with the devices to itself: `quiet()` (the
+  prefetch thread copies nothing) is held until its outputs are ready. XLA captures cuDNN's
+  graphs on a program's first execution, and a host-to-device copy from another thread in
+  the meantime breaks the capture (on an H100 with cuDNN attention on packed documents:
+  'cuda_graph_end_capture ... capturing stream has unjoined work' at the first step); later
+  calls run as dispatched."""
+  first = [True]
+
+  def call(*args):
+    if not first[0]:
+      return fn(*args)
+    first[0] = False
+    with quiet():
+      return jax.block_until_ready(fn(*args))
+  return call
+
+
 def evaluate(eval_step: Callable, state: steps.TrainState, setup: setup_lib.Setup,
              choice_step: Optional[Callable] = None) -> dict:
   """The task's metrics over the eval split (or its first eval.max_batches batches); for
@@ -214,6 +232,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
     cleanup.callback(train_batches.close)
     batches = feed.Prefetch(train_batches, start, total, config.data.prefetch)
     cleanup.callback(batches.close)
+    train_step, check_step, eval_step = (alone_at_first(f, batches.quiet)
+                                         for f in (train_step, check_step, eval_step))
+    choice_step = choice_step and alone_at_first(choice_step, batches.quiet)
     in_flight = collections.deque()  # Losses of dispatched steps, oldest first.
     for step in range(start, total):
       profile.before(step)
