@@ -200,6 +200,22 @@ def usable_memory(target: Target, device) -> tuple[int, str]:
                     'device has; this libtpu is not one zoo knows')
 
 
+def local_memory(device) -> Optional[tuple[int, str, Optional[int]]]:
+  """(bytes JAX's allocator may use on this process's `device`, where that figure comes
+  from, bytes in use now or None), from the runtime's memory statistics; None where the
+  device has none (CPU)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except  # Backends that do not implement it.
+    stats = None
+  if not stats or not stats.get('bytes_limit'):
+    return None
+  fraction = os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION')
+  source = "its allocator's limit" + (f', XLA_PYTHON_CLIENT_MEM_FRACTION={fraction}' if fraction
+                                      else '')
+  return int(stats['bytes_limit']), source, stats.get('bytes_in_use')
+
+
 _SIZE = r'([0-9.]+)([KMGT]?)'
 _UNITS = {'': 1, 'K': 2**10, 'M': 2**20, 'G': 2**30, 'T': 2**40}
 

@@ -25,7 +25,7 @@ from zoo.errors import ConfigError
 from zoo.models import attention
 from zoo.parallel import hlo, sharding, topology
 from zoo.run import config as cfg
-from zoo.run import perf
+from zoo.run import memory, perf
 from zoo.run import setup as setup_lib
 
 
@@ -73,6 +73,15 @@ def compile_step(platform: str, jitted, *args) -> Compiled:
   return Compiled(program, _memory(program, platform), time.perf_counter() - t0)
 
 
+def _usable(target: Optional[topology.Target], device) -> tuple[Optional[int], str]:
+  """(bytes a device may use, where the figure comes from): the target's, or where the plan
+  runs on this machine's accelerators, what their runtime lets JAX use; (None, '') on CPU."""
+  if target:
+    return topology.usable_memory(target, device)
+  local = topology.local_memory(device)
+  return (local[0], f"JAX's on this {device.device_kind}: {local[1]}") if local else (None, '')
+
+
 def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
               target: Optional[topology.Target] = None) -> dict:
   """The plan of `config` on the present devices, or on `target`'s (see format_plan)."""
@@ -99,7 +108,7 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   if budget and train.memory is None and not train.refusal:
     raise ConfigError('--device_memory_gib: this backend gives no memory analysis of the '
                       'compiled step, so the budget cannot be checked; drop the flag')
-  usable, usable_source = topology.usable_memory(target, devices[0]) if target else (None, '')
+  usable, usable_source = _usable(target, devices[0])
   limit = min(x for x in (budget, usable) if x) if (budget or usable) else None
   refused = train.refusal or evaluate.refusal
   fits = False if refused else None if limit is None else all(
@@ -224,8 +233,7 @@ def format_plan(p: dict) -> str:
 
 def refusal_line(p: dict, device_memory_gib: float = 0.0) -> str:
   """The one line a plan that does not fit exits with: the figures and what to change."""
-  change = ('shard more (mesh, rules: fsdp_rules), or lower train.batch_size, or raise '
-            'train.microbatches or model.remat')
+  change = memory.advice(p['platform'])
   refusal = p['refusal']
   if refusal and refusal['needed'] is None:
     return (f'zoo: the {p["platform"].upper()} compiler refused the {refusal["step"]} step: '
@@ -236,10 +244,8 @@ def refusal_line(p: dict, device_memory_gib: float = 0.0) -> str:
       'compiled_memory' if step == 'train' else 'eval_memory']['peak']
   usable = p['usable_bytes']
   if usable and (not device_memory_gib or usable <= device_memory_gib * 2**30):
-    limit = (f'the {usable / 2**30:.2f} GiB per device that {p["target"]} allows '
+    limit = (f'the {usable / 2**30:.2f} GiB per device that {p["target"] or "this " + p["device_kind"]} allows '
              f'({p["usable_source"]})')
-    if p['platform'] == 'tpu':
-      change += ', or set model.attention=splash (long sequences)'
   else:
     limit = f'--device_memory_gib={device_memory_gib:g}'
   return (f'zoo: the {step} step needs {needed / 2**30:.2f} GiB per device, more than {limit}; '
@@ -268,12 +274,12 @@ def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   devices = topology.devices(target) if target else jax.devices()
   cfg.validate(config, len(devices))
   setup = setup_lib.checked(config, devices, plan=True)
-  usable = topology.usable_memory(target, devices[0])[0] if target else None
+  usable = _usable(target, devices[0])[0]
   limit = min(x for x in (device_memory_gib * 2**30, usable) if x) if (
       device_memory_gib or usable) else None
   if limit is None:
     raise ConfigError('--max_batch: this backend has no memory limit to search against; give '
-                      '--device_memory_gib or a TPU --topology')
+                      '--device_memory_gib or a --topology')
   shards = setup.mesh.size // (setup.batch_sharding.shard_shape((setup.mesh.size,))[0] or 1)
   step = config.train.microbatches * shards // math.gcd(config.train.microbatches * shards,
                                                         setup.mesh.size)

@@ -14,7 +14,7 @@ from zoo.data import choice, feed
 from zoo.errors import NonFiniteError
 from zoo.parallel import sharding
 from zoo.run import config as cfg
-from zoo.run import perf, profiling, steps
+from zoo.run import memory, perf, profiling, steps
 from zoo.run import setup as setup_lib
 from zoo.store import checkpoint, metrics
 from zoo.store.workdir import Workdir
@@ -178,11 +178,16 @@ def compile_steps(setup: setup_lib.Setup, state: steps.TrainState) -> tuple:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> steps.TrainState:
-  """See _train_and_evaluate; a storage error that names no file names the workdir."""
+  """See _train_and_evaluate; a storage error that names no file names the workdir, and the
+  devices running out of memory is one line with what to change (zoo.run.memory)."""
   try:
     return _train_and_evaluate(config, Workdir(workdir))
   except OSError as e:
     raise Workdir(workdir).named(e) from None
+  except jax.errors.JaxRuntimeError as e:  # Raised after the cleanups: lease released,
+    if memory.is_device_oom(e):            # the last save finished or removed.
+      raise memory.DeviceMemoryError(memory.oom_line(e)) from None
+    raise
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> steps.TrainState:
