@@ -207,3 +207,13 @@ def test_every_documented_model_key_is_settable_on_every_lm_experiment(name, tmp
   built = models.build(config.model, vocab_size=300, max_len=32)
   for key in keys - {'lora', 'num_kv_heads', 'vocab_size'} - set(new):
     assert getattr(built, key) == config.model[key], key
+
+
+def test_a_switch_set_on_the_command_line_needs_no_other(tmp_path):
+  """char_lm with --config.model.mlp_activation=swiglu (and Llama's other switches) trains:
+  the LoRA targets model_config lists for gelu are unused at rank 0, not refused."""
+  result = run_cli(f'--config={experiment("char_lm")}:smoke', f'--workdir={tmp_path}',
+                   '--config.model.mlp_activation=swiglu', '--config.model.norm=rms',
+                   '--config.model.positions=rotary', '--config.model.rope_theta=500000',
+                   '--config.train.steps=2', devices=2)
+  assert result.returncode == 0, result.stderr[-2000:]

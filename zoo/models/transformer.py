@@ -187,8 +187,8 @@ def check_lora(spec, mlp_activation: str) -> None:
   gated = mlp_activation in ('swiglu', 'geglu')
   has = [p for p in lora_lib.PROJECTIONS if p != ('wi' if gated else 'wi_gate')
          and p != ('wi' if gated else 'wi_up')]
-  if isinstance(targets, str) or not targets or not all(isinstance(t, str) for t in targets) \
-      or set(targets) - set(has):
+  if rank and (isinstance(targets, str) or not targets or  # Rank 0: no adapter uses them.
+               not all(isinstance(t, str) for t in targets) or set(targets) - set(has)):
     fail('model.lora.targets', f'must be a tuple of this model\'s projections among '
          f'{", ".join(has)}, got {targets!r}')
 
