@@ -148,12 +148,16 @@ def probe() -> None:
   framework holds GPU memory in the parent."""
   os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'false'
   import jax  # pylint: disable=import-outside-toplevel
-  import torch  # pylint: disable=import-outside-toplevel
-  cuda = torch.cuda.is_available()
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:  # Said plainly by bench(): no peer to measure.
+    torch = None
+  cuda = bool(torch) and torch.cuda.is_available()
   print(json.dumps({
       'jax_backend': jax.default_backend(), 'jax_device': jax.devices()[0].device_kind,
-      'torch_cuda': cuda, 'torch_device': torch.cuda.get_device_name() if cuda else 'cpu',
-      'torch_cuda_version': torch.version.cuda,
+      'torch': bool(torch), 'torch_cuda': cuda,
+      'torch_device': torch.cuda.get_device_name() if cuda else 'cpu',
+      'torch_cuda_version': torch.version.cuda if torch else None,
       'torch_cudnn': torch.backends.cudnn.version() if cuda else None}))
 
 
@@ -344,6 +348,9 @@ def format_table(results: dict) -> str:
 
 def bench(args) -> None:
   info = machine()
+  if not info['torch']:
+    sys.exit('gpu_bench: torch is not installed: the PyTorch peers cannot run (pip install torch '
+             'transformers)')
   on_gpu = info['jax_backend'] == 'gpu' or info['torch_cuda']
   if not on_gpu and not args.smoke:
     print(f'gpu_bench: no CUDA GPU on this machine (jax backend: {info["jax_backend"]}, '

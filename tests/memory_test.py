@@ -67,9 +67,13 @@ def test_the_line_names_what_an_accelerator_has(monkeypatch):
   assert not memory.is_device_oom(jax.errors.JaxRuntimeError('INTERNAL: something else'))
   assert not memory.is_device_oom(MemoryError('host'))
   tpu = ('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space '
-         'hbm. Used 18.54G of 15.75G hbm. Exceeded hbm capacity by 2.79G. ... (18.54G) exceeds '
-         'available HBM (15.75G)')
+         'hbm. Used 18.54G of 15.75G hbm. Exceeded hbm capacity by 2.79G.')
   assert memory.is_device_oom(jax.errors.JaxRuntimeError(tpu))
+  assert 'the compiler found the step needs 18.54 GiB;' in memory.oom_line(
+      jax.errors.JaxRuntimeError(tpu))
+  vmem = ('RESOURCE_EXHAUSTED: Ran out of memory in memory space vmem while allocating on stack '
+          'for %fusion = ...')  # A kernel's scoped VMEM: no batch or sharding advice fixes it.
+  assert not memory.is_device_oom(jax.errors.JaxRuntimeError(vmem))
 
 
 def test_a_plan_on_accelerators_is_checked_against_their_memory(devices, monkeypatch):
@@ -85,8 +89,8 @@ def test_a_plan_on_accelerators_is_checked_against_their_memory(devices, monkeyp
                              "allocator's limit)")
   line = plan.refusal_line(p)
   assert line.startswith('zoo: the train step needs ') and (
-      "GiB per device, more than the 0.00 GiB per device that this cpu allows (JAX's on this cpu: its "
-      "allocator's limit); shard more") in line, line
+      "GiB per device, more than the 1.00 MiB per device that this cpu allows (JAX's on this cpu: "
+      "its allocator's limit); shard more") in line, line
   monkeypatch.setattr(topology, 'local_memory', lambda d: (2**34, "its allocator's limit", 0))
   assert plan.verdict(plan.make_plan(config)).startswith('fits in 16.00 GiB per device')
 

@@ -110,8 +110,8 @@ class Prefetch:
     while not self._closed.is_set():
       with self._making:
         if self._go.is_set():  # Checked under the lock: quiet() waits for this batch.
-          try:
-            return step, self._make(step)
+          try:  # Until its copies have reached the devices: quiet() waits for them.
+            return step, jax.block_until_ready(self._make(step))
           except BaseException as e:  # pylint: disable=broad-except
             return step, e
       self._go.wait(timeout=0.1)
@@ -132,7 +132,8 @@ class Prefetch:
   @contextlib.contextmanager
   def quiet(self):
     """While held, the thread builds and copies no batch (one it was building is finished
-    first): a program's first execution then has the devices' streams to itself."""
+    first, its copies on the devices): a program's first execution then has the devices'
+    streams to itself."""
     self._go.clear()
     with self._making:
       pass

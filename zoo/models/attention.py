@@ -75,6 +75,19 @@ def _ran(path: str, requested: str, kernel: str, why: str = '') -> None:
                     requested, chose, where, why)
 
 
+def _cudnn_refusal(kv_axis: str) -> str:
+  """Why cuDNN's kernel cannot take this layer's sharding ('' if it can): its partitioner
+  refuses, when the step compiles, a sequence or head size split over the mesh and queries
+  split unlike keys and values."""
+  q_spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', 'act_heads', 'act_kv'))
+  kv_spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', kv_axis, 'act_kv'))
+  if q_spec[1] is not None or q_spec[3] is not None:
+    return 'the rules split the sequence or the head size over the mesh'
+  if tuple(q_spec) != tuple(kv_spec):
+    return 'the rules split queries and keys/values differently'
+  return ''
+
+
 def _select(local: Flag, if_local: Any, otherwise: Any) -> Any:
   if isinstance(local, bool):
     return if_local if local else otherwise
@@ -223,7 +236,9 @@ class Attention(nn.Module):
     elif kernel == 'cudnn':
       if requested == 'auto' and q_BLNH.dtype not in (jnp.bfloat16, jnp.float16):
         why = f'{q_BLNH.dtype} computation (cuDNN takes bfloat16 or float16)'
-      else:
+      elif requested == 'auto':
+        why = _cudnn_refusal(kv_axis)
+      if not why:
         try:
           out_BLNH = jax.nn.dot_product_attention(
               q_BLNH, k_BMGH, v_BMGH, mask=mask, is_causal=causal,

@@ -17,9 +17,11 @@ Methods (the gradient; the forward pass is the same gather):
   vocabularies on GPUs, where one-hot's FLOPs grow too large.
 - 'take': jnp.take's own scatter-add.
 - 'auto' (default): 'one_hot' up to ONE_HOT_MAX_VOCAB padded rows, on every backend (a small
-  matmul is cheap everywhere and avoids TPU's serial scatter too); above it 'sorted' on GPUs
-  and 'take' elsewhere (TPU and CPU scatters apply updates in turn without atomics, so there
-  is no contention for sorting to remove, only work to add).
+  matmul is cheap everywhere and avoids TPU's serial scatter too); above it 'take', which on
+  the real 32k-BPE dataset cost no more than one-hot (the whole step gained nothing), and
+  whose scatter on TPU and CPU applies updates in turn, without atomics. 'sorted' is there
+  for large vocabularies on GPUs whose data has hot rows; benchmarks/gpu_bench.py measures
+  it (`--config.model.embedding_grad=sorted`) before it becomes anyone's default.
 
 Shapes are suffixed: B batch, L length, D d_model, V padded vocabulary.
 """
@@ -31,17 +33,15 @@ import jax.numpy as jnp
 METHODS = ('auto', 'one_hot', 'sorted', 'take')
 # From the H100 figures above: one-hot beats Zipf-distributed scatters by 40x at 4k rows and
 # still 5x at 32k, but on a real 32k-BPE dataset the whole step gained nothing (its hot
-# rows hold a smaller share), so the sorted scan takes over above this.
+# rows hold a smaller share): take's scatter above this.
 ONE_HOT_MAX_VOCAB = 4096
 
 
-def method_for(method: str, vocab: int, platform: str) -> str:
-  """The method 'auto' resolves to for a padded vocabulary of `vocab` rows on `platform`."""
+def method_for(method: str, vocab: int) -> str:
+  """The method 'auto' resolves to for a padded vocabulary of `vocab` rows."""
   if method != 'auto':
     return method
-  if vocab <= ONE_HOT_MAX_VOCAB:
-    return 'one_hot'
-  return 'sorted' if platform in ('gpu', 'cuda', 'rocm') else 'take'
+  return 'one_hot' if vocab <= ONE_HOT_MAX_VOCAB else 'take'
 
 
 def lookup(table_VD: jax.Array, ids_BL: jax.Array, method: str) -> jax.Array:

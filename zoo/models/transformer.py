@@ -65,7 +65,7 @@ from zoo.models import embedding
 from zoo.models import lora as lora_lib
 from zoo.models import rope as rope_lib
 from zoo.models.attention import IMPLEMENTATIONS, Attention
-from zoo.models.layers import NORMS, norm as norm_layer, param, platform
+from zoo.models.layers import NORMS, norm as norm_layer, param
 
 REMAT_POLICIES = {
     'none': None,
@@ -361,7 +361,7 @@ def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Arra
 
 def embed_tokens(module: Transformer, embed_VD: jax.Array, tokens_BL: jax.Array) -> jax.Array:
   """The rows of `embed_VD` for `tokens_BL`, differentiated by module.embedding_grad."""
-  method = embedding.method_for(module.embedding_grad, embed_VD.shape[0], platform())
+  method = embedding.method_for(module.embedding_grad, embed_VD.shape[0])
   return embedding.lookup(embed_VD, tokens_BL, method)
 
 

@@ -217,7 +217,7 @@ def local_memory(device) -> Optional[tuple[int, str, Optional[int]]]:
 
 
 _SIZE = r'([0-9.]+)([KMGT]?)'
-_UNITS = {'': 1, 'K': 2**10, 'M': 2**20, 'G': 2**30, 'T': 2**40}
+UNITS = {'': 1, 'K': 2**10, 'M': 2**20, 'G': 2**30, 'T': 2**40}  # The compilers' G is GiB.
 
 
 def oom_figures(message: str) -> Optional[tuple[int, int]]:
@@ -227,4 +227,4 @@ def oom_figures(message: str) -> Optional[tuple[int, int]]:
                 + r'\)', message, re.S)
   if not m:
     return None
-  return (int(float(m.group(1)) * _UNITS[m.group(2)]), int(float(m.group(3)) * _UNITS[m.group(4)]))
+  return (int(float(m.group(1)) * UNITS[m.group(2)]), int(float(m.group(3)) * UNITS[m.group(4)]))

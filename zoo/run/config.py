@@ -119,7 +119,8 @@ def model_config(name: str, **fields) -> ml_collections.ConfigDict:
 
 def imported_model(workdir: str, experiment: str, lora_rank: int = 0
                    ) -> ml_collections.ConfigDict:
-  """base_config() with the model of an imported workdir (its config.json's fields, exactly),
+  """base_config() with the model of an imported workdir (its config.json's fields, and the
+  family's defaults for those it leaves out: model_config),
   its params as the starting point (checkpoint.init_from; the optimizer fresh) and
   config.model.lora for every projection the model has at `lora_rank` (0: none). What the
   fine-tuning experiments start from; `experiment` names the file in errors."""

@@ -26,18 +26,32 @@ def advice(platform: str) -> str:
   if platform == 'tpu':
     change += ', or set model.attention=splash (long sequences)'
   elif platform in ('gpu', 'cuda'):
-    change += ", or keep model.attention='auto' (cuDNN's kernel holds no L x L scores)"
+    change += ", or keep model.attention='auto' with a bfloat16 model (cuDNN's kernel)"
   return change
+
+
+# The runtime's and compilers' words for a device out of its main memory (a TPU kernel's
+# scoped VMEM running out is another matter: no batch size or sharding advice fixes that).
+_OOM = re.compile(r'Out of memory while trying to allocate|Failed to allocate request for|'
+                  r'exceeds available HBM|memory space hbm')
+_ASKED = re.compile(r'(?:trying to allocate|allocate request for) ([0-9.]+\s*[KMGT]?i?B)')
+_HBM_USED = re.compile(r'Used ([0-9.]+)([KMGT]?) of ([0-9.]+)([KMGT]?) hbm')
 
 
 def is_device_oom(error: BaseException) -> bool:
   """Whether `error` is a device (not host) out-of-memory from the runtime or a compiler."""
   text = str(error)
   return (isinstance(error, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in text
-          and bool(re.search(r'[Oo]ut of memory|exceeds available HBM|memory space hbm', text)))
+          and bool(_OOM.search(text)))
 
 
-_ASKED = re.compile(r'trying to allocate ([0-9.]+\s*[KMGT]?i?B)')
+def _needed(text: str) -> Optional[int]:
+  """The bytes a TPU compiler's refusal says the program needs."""
+  refused = topology.oom_figures(text)
+  if refused:
+    return refused[0]
+  used = _HBM_USED.search(text)
+  return int(float(used.group(1)) * topology.UNITS[used.group(2)]) if used else None
 
 
 def oom_line(error: BaseException, device: Optional[jax.Device] = None) -> str:
@@ -45,12 +59,11 @@ def oom_line(error: BaseException, device: Optional[jax.Device] = None) -> str:
   what to change."""
   text = str(error)
   device = device or jax.local_devices()[0]
-  asked = _ASKED.search(text)
-  refused = topology.oom_figures(text)
+  asked, needed = _ASKED.search(text), _needed(text)
   if asked:
     what = f'a step asked the allocator for {asked.group(1).replace(" ", "")} more'
-  elif refused:
-    what = f'the compiler found the step needs {refused[0] / 2**30:.2f} GiB'
+  elif needed:
+    what = f'the compiler found the step needs {needed / 2**30:.2f} GiB'
   else:
     what = f'"{text.strip().splitlines()[0][:200]}"'
   usable = topology.local_memory(device)
