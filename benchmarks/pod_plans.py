@@ -19,6 +19,9 @@ Three tables (and pod_plans.json):
   layers) on v5p-64 and v5litepod-256 at 2,048 tokens and v5p-64 at 8,192: the largest
   batch per chip the compiler accepts (plan.max_batch), splash against XLA attention, and
   the train step's compile time at one sequence per chip.
+- vocab: the same Llama-2-7B shapes with splash at vocabularies of 32,000 and 128,256, the
+  loss computed in chunks of the sequence (model.loss_chunks, auto): the largest batch per
+  chip on v5p-64 at 8,192 tokens and v5litepod-256 at 2,048 (`--only=vocab`).
 """
 import argparse
 import json
@@ -163,6 +166,32 @@ def maxtext(out):
   print(json.dumps({'compile at batch 1 per chip, v5p-64, splash': p['compile_s']}), flush=True)
 
 
+def vocab(out):
+  """Llama-2-7B shapes (as in maxtext, splash) at vocabularies of 32,000 and 128,256, the loss
+  in chunks (model.loss_chunks=0, auto): the largest batch per chip. Before chunking (issue
+  #35, libtpu 0.0.42.1): v5p-64 at 8,192 tokens 24 and 11 per chip, v5litepod-256 at 2,048
+  tokens 18 and 7. MaxText's peer technique is num_vocab_tiling (off by default)."""
+  from zoo.run import plan  # pylint: disable=import-outside-toplevel
+  from zoo.parallel import topology
+  from zoo.run.config import load_experiment  # pylint: disable=import-outside-toplevel
+  before = {('v5p-64', 8192, 32000): 24, ('v5p-64', 8192, 128256): 11,
+            ('v5litepod-256', 2048, 32000): 18, ('v5litepod-256', 2048, 128256): 7}
+  for (name, seq, vocab_size), then in before.items():
+    target = topology.parse(name)
+    c = load_experiment(os.path.join(REPO, 'experiments', 'char_lm.py'), '1b,fsdp')
+    c.model.update({**LLAMA2_7B, 'attention': 'splash', 'max_len': seq, 'vocab_size': vocab_size,
+                    'loss_chunks': 0})
+    c.data.seq_len, c.eval.batch_size = seq, target.chips
+    c.train.batch_size = target.chips * then  # The search starts at the figure before.
+    found = plan.max_batch(c, target=target)
+    row = {'target': name, 'seq': seq, 'vocab': vocab_size, 'before_chunking': then,
+           'zoo_batch_per_chip': found['batch_per_device'],
+           'peak_gib': round((found['peak'] or 0) / 2**30, 2), 'compiles': found['compiles'],
+           'search_s': round(found['seconds']), 'other_refusals': found['other_refusals']}
+    print(json.dumps(row), flush=True)
+    out.setdefault('vocab', []).append(row)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--only', default='plans,cpu,maxtext')
@@ -183,11 +212,11 @@ def main():
   for section in args.only.split(','):
     if not args.resume:
       out.pop(section, None)
-    {'plans': plans, 'cpu': cpu, 'maxtext': maxtext}[section](out)
+    {'plans': plans, 'cpu': cpu, 'maxtext': maxtext, 'vocab': vocab}[section](out)
     with open(args.json, 'w', encoding='utf-8') as f:
       json.dump({k: v for k, v in out.items() if k != '_path'}, f, indent=2)
   import tables  # pylint: disable=import-outside-toplevel  # benchmarks/tables.py
-  for section in ('plans', 'cpu', 'maxtext'):
+  for section in ('plans', 'cpu', 'maxtext', 'vocab'):
     if out.get(section):
       tables.print_rows(section, out[section])
 

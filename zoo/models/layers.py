@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 
 VOCAB_MULTIPLE = 128  # Pad vocabularies so that they split evenly over a 'model' axis.
 _normal = nn.initializers.normal(stddev=0.02)
@@ -60,21 +61,81 @@ def embedding_table(module: nn.Module, vocab_size: int, d_model: int, dtype: Any
   return param(module, 'embed', (padded_vocab_size(vocab_size), d_model), ('vocab', 'embed'), dtype)
 
 
+def _head(module: nn.Module, d_model: int, vocab_size: int, dtype: Any,
+          embed_VD: Optional[jax.Array]) -> jax.Array:
+  """The output head [D, V]: a 'head' parameter, or tied, the embedding table transposed."""
+  if embed_VD is None:
+    return param(module, 'head', (d_model, padded_vocab_size(vocab_size)), ('embed', 'vocab'),
+                 dtype)
+  return embed_VD.T
+
+
+def _logits(x_BLD: jax.Array, head_DV: jax.Array, vocab_size: int, softcap: float) -> jax.Array:
+  logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, head_DV, preferred_element_type=jnp.float32)
+  logits_BLV = nn.with_logical_constraint(logits_BLV, ('act_batch', 'act_len', 'act_vocab'))
+  if softcap:
+    logits_BLV = softcap * jnp.tanh(logits_BLV / softcap)
+  return jnp.where(jnp.arange(head_DV.shape[1]) < vocab_size, logits_BLV, -1e30)
+
+
 def vocab_logits(module: nn.Module, x_BLD: jax.Array, vocab_size: int, dtype: Any,
                  embed_VD: Optional[jax.Array] = None, softcap: float = 0.0) -> jax.Array:
   """Float32 logits over the padded vocabulary, by a 'head' [D, V] or, tied, the embedding
   table `embed_VD`, soft-capped to (-softcap, softcap) if given (Gemma 2); padding ids get
   -1e30 (never sampled)."""
-  vocab = padded_vocab_size(vocab_size)
-  if embed_VD is None:
-    head_DV = param(module, 'head', (x_BLD.shape[-1], vocab), ('embed', 'vocab'), dtype)
-    logits_BLV = jnp.einsum('BLD,DV->BLV', x_BLD, head_DV, preferred_element_type=jnp.float32)
-  else:
-    logits_BLV = jnp.einsum('BLD,VD->BLV', x_BLD, embed_VD, preferred_element_type=jnp.float32)
-  logits_BLV = nn.with_logical_constraint(logits_BLV, ('act_batch', 'act_len', 'act_vocab'))
-  if softcap:
-    logits_BLV = softcap * jnp.tanh(logits_BLV / softcap)
-  return jnp.where(jnp.arange(vocab) < vocab_size, logits_BLV, -1e30)
+  head_DV = _head(module, x_BLD.shape[-1], vocab_size, dtype, embed_VD)
+  return _logits(x_BLD, head_DV, vocab_size, softcap)
+
+
+# Auto chunking keeps one chunk's logits at most this many per sequence (16 MiB in float32):
+# under it a sequence's logits are computed whole, as before chunking existed.
+LOSS_CHUNK_ELEMENTS = 2**22
+
+
+def loss_chunks(chunks: int, length: int, vocab: int) -> int:
+  """How many chunks of the sequence the loss computes logits for in turn: `chunks` if
+  given (>= 1), else the fewest that divide `length` and hold at most LOSS_CHUNK_ELEMENTS
+  logits of the padded vocabulary per sequence."""
+  if chunks:
+    return chunks
+  return next(n for n in range(1, length + 1)
+              if length % n == 0 and (length // n) * vocab <= LOSS_CHUNK_ELEMENTS
+              or n == length)
+
+
+def token_losses(module: nn.Module, x_BLD: jax.Array, targets_BL: jax.Array, vocab_size: int,
+                 dtype: Any, embed_VD: Optional[jax.Array] = None, softcap: float = 0.0,
+                 chunks: int = 0) -> dict:
+  """Each target's cross-entropy [B, L] (float32) and whether it is the likeliest token
+  [B, L], from the final hidden states, without a [B, L, V] logits array: the sequence is
+  cut into `loss_chunks(chunks, L, V)` chunks, whose logits (vocab_logits's, soft cap and
+  padding ids included) are computed in turn under lax.map and, in the backward pass,
+  recomputed from the chunk's hidden states (jax.checkpoint): one chunk's logits are live
+  at a time."""
+  batch, length, d_model = x_BLD.shape
+  head_DV = _head(module, d_model, vocab_size, dtype, embed_VD)
+  n = loss_chunks(chunks, length, head_DV.shape[1])
+  if length % n:
+    raise ValueError(f'model.loss_chunks={n} does not divide the sequence length {length}')
+
+  def chunk(head32_DV, xs):
+    x_BCD, t_BC = xs
+    logits_BCV = _logits(x_BCD, head32_DV.astype(dtype), vocab_size, softcap)
+    losses_BC = optax.softmax_cross_entropy_with_integer_labels(logits_BCV, t_BC)
+    return losses_BC, jnp.argmax(logits_BCV, axis=-1) == t_BC
+  if n == 1:  # The whole sequence's logits at once, kept for the backward pass.
+    losses_BL, correct_BL = chunk(head_DV, (x_BLD, targets_BL))
+    return {'loss': losses_BL, 'correct': correct_BL}
+  chunk = jax.checkpoint(chunk)
+
+  def split(y):  # [B, L, ...] -> [n, B, L/n, ...]
+    return jnp.moveaxis(y.reshape((batch, n, length // n) + y.shape[2:]), 1, 0)
+  # The head's gradient sums over chunks in float32 (it is closed over in float32).
+  head32_DV = head_DV.astype(jnp.float32)
+  losses_nBC, correct_nBC = jax.lax.map(lambda xs: chunk(head32_DV, xs),
+                                        (split(x_BLD), split(targets_BL)))
+  join = lambda y: jnp.moveaxis(y, 0, 1).reshape(batch, length)
+  return {'loss': join(losses_nBC), 'correct': join(correct_nBC)}
 
 
 NORMS = ('layer', 'rms', 'rms_offset')

@@ -14,6 +14,7 @@ out-of-memory refusal the verdict, against the chips' usable HBM.
 """
 import dataclasses
 import math
+import re
 import time
 from typing import Any, Optional
 
@@ -22,7 +23,7 @@ import ml_collections
 
 from zoo.data import feed
 from zoo.errors import ConfigError
-from zoo.models import attention
+from zoo.models import attention, layers
 from zoo.parallel import hlo, sharding, topology
 from zoo.run import config as cfg
 from zoo.run import memory, perf
@@ -73,6 +74,22 @@ def compile_step(platform: str, jitted, *args) -> Compiled:
   return Compiled(program, _memory(program, platform), time.perf_counter() - t0)
 
 
+def _loss_held(setup: setup_lib.Setup) -> Optional[dict]:
+  """A language model's loss: its chunks of the sequence and one chunk's float32 logits per
+  device (what it holds at a time, twice in the backward pass: logits and their gradient)."""
+  model = setup.model
+  if not hasattr(model, 'loss_chunks'):
+    return None
+  batch, length = setup.batch['inputs'].shape
+  vocab = layers.padded_vocab_size(model.vocab_size)
+  chunks = layers.loss_chunks(model.loss_chunks, length, vocab)
+  rows = setup.batch_sharding.shard_shape((batch,))[0] // setup.config.train.microbatches
+  vocab_axes = next((axes for name, axes in setup.rules if name == 'act_vocab'), None)
+  vocab_shards = math.prod(setup.mesh.shape[a] for a in sharding.mesh_axes_of(vocab_axes))
+  return {'chunks': chunks, 'tokens': length // chunks,
+          'bytes': 4 * rows * (length // chunks) * (vocab // vocab_shards)}
+
+
 def _usable(target: Optional[topology.Target], device) -> tuple[Optional[int], str]:
   """(bytes a device may use, where the figure comes from): the target's, or where the plan
   runs on this machine's accelerators, what their runtime lets JAX use; (None, '') on CPU."""
@@ -108,7 +125,7 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   if budget and train.memory is None and not train.refusal:
     raise ConfigError('--device_memory_gib: this backend gives no memory analysis of the '
                       'compiled step, so the budget cannot be checked; drop the flag')
-  usable, usable_source = _usable(target, devices[0])
+  usable, usable_source = _usable(target, devices[0] if target else jax.local_devices()[0])
   limit = min(x for x in (budget, usable) if x) if (budget or usable) else None
   refused = train.refusal or evaluate.refusal
   fits = False if refused else None if limit is None else all(
@@ -122,6 +139,7 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
                 'rows': {p: [r.start, r.stop] for p, r in rows.items()}},
       'params': setup.param_table(), 'bytes_per_device': held,
       'attention': {'requested': config.model.get('attention'), 'layers': chosen},
+      'loss': _loss_held(setup),
       'compiled_memory': train.memory, 'eval_memory': evaluate.memory,
       'device_memory_bytes': budget, 'usable_bytes': usable, 'usable_source': usable_source,
       'fits': fits,
@@ -169,6 +187,14 @@ def _memory_lines(p: dict) -> list[str]:
   return lines
 
 
+def _loss_lines(p: dict) -> list[str]:
+  held = p.get('loss')
+  if not held:
+    return []
+  return [f'loss: logits of {held["chunks"]} chunk(s) of {held["tokens"]} tokens in turn, one '
+          f'live at a time: {_mib(held["bytes"])} per device (float32; model.loss_chunks)']
+
+
 def _attention_lines(p: dict) -> list[str]:
   """Which implementation each attention layer runs (layers under nn.scan are one path)."""
   layers = p['attention']['layers']
@@ -177,7 +203,8 @@ def _attention_lines(p: dict) -> list[str]:
   lines = [f"attention (model.attention={p['attention']['requested']!r} on "
            f"{p['platform']}), per layer:"]
   groups = {}
-  for path, (used, why) in sorted(layers.items()):
+  by_number = lambda item: [int(t) if t.isdigit() else t for t in re.split(r'(\d+)', item[0])]
+  for path, (used, why) in sorted(layers.items(), key=by_number):  # block_2 before block_10.
     groups.setdefault((used, why), []).append(path)
   for (used, why), paths in groups.items():
     shown = ', '.join(paths[:3]) + (f' ... ({len(paths)} in all)' if len(paths) > 3 else '')
@@ -208,7 +235,7 @@ def format_plan(p: dict) -> str:
               f'{p["eval_compile_s"]:.1f} s')
   lines = [f'mesh {p["mesh"]} on {p["devices"]} {p["platform"]} devices{on}; {compiled}', '',
            sharding.format_param_table(p['params']), '', *_hosts(p),
-           *_attention_lines(p), 'per device:']
+           *_attention_lines(p), *_loss_lines(p), 'per device:']
   held = p['bytes_per_device']
   for key, label in (('params', 'parameters'), ('optimizer', 'optimizer state'),
                      ('optimizer_full_fine_tune', '  (a full fine-tune\'s)'),
@@ -244,8 +271,8 @@ def refusal_line(p: dict, device_memory_gib: float = 0.0) -> str:
       'compiled_memory' if step == 'train' else 'eval_memory']['peak']
   usable = p['usable_bytes']
   if usable and (not device_memory_gib or usable <= device_memory_gib * 2**30):
-    limit = (f'the {usable / 2**30:.2f} GiB per device that {p["target"] or "this " + p["device_kind"]} allows '
-             f'({p["usable_source"]})')
+    where = p['target'] or f'this {p["device_kind"]}'
+    limit = f'the {_mib(usable)} per device that {where} allows ({p["usable_source"]})'
   else:
     limit = f'--device_memory_gib={device_memory_gib:g}'
   return (f'zoo: the {step} step needs {needed / 2**30:.2f} GiB per device, more than {limit}; '
@@ -274,7 +301,7 @@ def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   devices = topology.devices(target) if target else jax.devices()
   cfg.validate(config, len(devices))
   setup = setup_lib.checked(config, devices, plan=True)
-  usable = _usable(target, devices[0])[0]
+  usable = _usable(target, devices[0] if target else jax.local_devices()[0])[0]
   limit = min(x for x in (device_memory_gib * 2**30, usable) if x) if (
       device_memory_gib or usable) else None
   if limit is None:

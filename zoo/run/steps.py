@@ -67,11 +67,11 @@ def loss(params: Any, state: TrainState, batch: dict, rng: jax.Array, task: Task
   """The batch's loss (the task's, summed over the targets that count) over `total`, the
   targets that count in the whole global batch (every microbatch). The model state the
   forward pass updated comes too."""
-  logits, model_state = state.apply_fn(
+  out, model_state = state.apply_fn(
       {'params': params, **state.model_state}, *task.model_inputs(batch),
       **task.model_keywords(batch), train=True, rngs={'dropout': rng},
       mutable=list(state.model_state))
-  return task.loss_sum(logits, batch) / total, model_state
+  return task.loss_sum(out, batch) / total, model_state
 
 
 def _microbatches(x, k):
@@ -143,18 +143,16 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
 def eval_step(state: TrainState, batch: dict, task: Task) -> dict:
   """The task's sums over a batch (Task.eval_sums: loss, correct predictions, weight, ...),
   which it turns into metrics over the split."""
-  logits = state.apply_fn({'params': state.params, **state.model_state},
-                          *task.model_inputs(batch), **task.model_keywords(batch)
-                          ).astype(jnp.float32)
-  return task.eval_sums(logits, batch)
+  out = state.apply_fn({'params': state.params, **state.model_state},
+                       *task.model_inputs(batch), **task.model_keywords(batch))
+  return task.eval_sums(out, batch)
 
 
 def score_step(params: Any, batch: dict, apply_fn: Callable, task: Task) -> dict:
   """Each row's score under the model (Task.scores: a language model's log-likelihood of
   the masked targets, and whether they are all the likeliest tokens)."""
-  logits = apply_fn({'params': params}, *task.model_inputs(batch),
-                    **task.model_keywords(batch)).astype(jnp.float32)
-  return task.scores(logits, batch)
+  out = apply_fn({'params': params}, *task.model_inputs(batch), **task.model_keywords(batch))
+  return task.scores(out, batch)
 
 
 def check_state(state: TrainState) -> dict:

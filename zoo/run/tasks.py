@@ -4,9 +4,10 @@ A model family names its task (zoo.models), and so does a dataset (zoo.data); th
 trainer reaches task semantics only through these objects:
 - `inputs`: the batch fields the model takes, in order; `keywords`: those it takes by
   name where a batch has them (packed documents' segments and positions);
-- `loss_sum(logits, batch)` and `counted(batch)`: the summed training loss and the number
-  of targets it is over (a train step's loss is their ratio over the global batch);
-- `eval_sums(logits, batch)`: what an eval batch adds up (zoo.run.steps.eval_step), and
+- `loss_sum(out, batch)` and `counted(batch)`: the summed training loss and the number
+  of targets it is over (a train step's loss is their ratio over the global batch); `out`
+  is the model's output: logits, or a language model's per-target losses (`token_stats`);
+- `eval_sums(out, batch)`: what an eval batch adds up (zoo.run.steps.eval_step), and
   `metrics(sums, dataset)`: the eval metrics from those sums over the split;
 - `tokens(batch)`: the tokens a train batch trains on (sequence tasks), for tokens/s;
 - `eval_sampler(model, dataset, mesh, seed, temperature)`: what an eval shows besides
@@ -52,23 +53,27 @@ class Task:
       return batch['mask'].astype(jnp.float32)
     return jnp.ones(batch['targets'].shape, jnp.float32)
 
-  def loss_sum(self, logits: jax.Array, batch: dict) -> jax.Array:
+  def token_stats(self, out: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
+    """(each target's cross-entropy, whether it is the argmax) from the model's output:
+    logits here; a language model's own per-target figures (LanguageModel)."""
+    logits = out.astype(jnp.float32)
+    return (optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets']),
+            jnp.argmax(logits, axis=-1) == batch['targets'])
+
+  def loss_sum(self, out: Any, batch: dict) -> jax.Array:
     """The cross-entropy summed over the targets that count."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(
-        logits.astype(jnp.float32), batch['targets'])
-    return (losses * self.target_weights(batch)).sum()
+    return (self.token_stats(out, batch)[0] * self.target_weights(batch)).sum()
 
   def counted(self, batch: dict) -> jax.Array:
     """How many targets count in `loss_sum` (float32, at least 1)."""
     return jnp.maximum(self.target_weights(batch).sum(), 1.0)
 
-  def eval_sums(self, logits: jax.Array, batch: dict) -> dict:
+  def eval_sums(self, out: Any, batch: dict) -> dict:
     """Sums over an eval batch of loss, correct predictions and weight (per target for
     sequences); `weights` [B] masks the padded rows of the split's last batch."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
+    losses, correct = self.token_stats(out, batch)
     rows = batch['weights'].reshape(batch['weights'].shape + (1,) * (losses.ndim - 1))
     weights = jnp.broadcast_to(rows, losses.shape) * self.target_weights(batch)
-    correct = jnp.argmax(logits, axis=-1) == batch['targets']
     return {'loss': (losses * weights).sum(), 'correct': (correct * weights).sum(),
             'weight': weights.sum()}
 
@@ -93,25 +98,30 @@ class LanguageModel(Task):
   """Next-token prediction; eval adds bits per token (per character for character text),
   bits per byte where the data knows each token's UTF-8 bytes, and a sample."""
   name = 'lm'
-  keywords = {'segments': 'segments_BL', 'positions': 'positions_BL'}
+  # The model gets the targets too: it returns each one's loss, never the whole logits
+  # (zoo.models.layers.token_losses).
+  keywords = {'segments': 'segments_BL', 'positions': 'positions_BL', 'targets': 'targets_BL'}
   sequences = True
 
-  def eval_sums(self, logits: jax.Array, batch: dict) -> dict:
+  def token_stats(self, out: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
+    return out['loss'], out['correct']
+
+  def eval_sums(self, out: Any, batch: dict) -> dict:
     """Adds the targets' UTF-8 bytes where the batch has them: bits per byte."""
-    sums = super().eval_sums(logits, batch)
+    sums = super().eval_sums(out, batch)
     if 'bytes' in batch:
       rows = batch['weights'][:, None] * self.target_weights(batch)
       sums['bytes'] = (batch['bytes'] * rows).sum()
     return sums
 
-  def scores(self, logits: jax.Array, batch: dict) -> dict:
+  def scores(self, out: Any, batch: dict) -> dict:
     """Each row's log-likelihood of its targets where `mask` is 1, and whether each of those
     targets is the likeliest token: how multiple-choice tasks (zoo.data.choice) and
     lm-evaluation-harness's requests (zoo.run.harness) are scored. {'loglik': [B] float32,
     'greedy': [B] bool}."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
+    losses, correct = self.token_stats(out, batch)
     mask = batch['mask']
-    greedy = ((jnp.argmax(logits, axis=-1) == batch['targets']) | (mask == 0)).all(axis=-1)
+    greedy = (correct | (mask == 0)).all(axis=-1)
     return {'loglik': -(losses * mask).sum(axis=-1), 'greedy': greedy}
 
   def metrics(self, sums: dict, dataset: 'Dataset') -> dict:
