@@ -141,3 +141,14 @@ def test_a_chunked_run_resumes_bit_exactly(tmp_path, monkeypatch, devices):
   train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
   assert losses(tmp_path / 'resumed') == losses(tmp_path / 'straight')
   assert sorted(losses(tmp_path / 'straight')) == list(range(1, 9))
+
+
+def test_model_flops_count_every_chunk(devices):
+  """The step's model FLOPs (MFU's numerator) count the head once per chunk: the analytic
+  count, as with whole logits."""
+  del devices
+  from zoo.run import perf  # pylint: disable=import-outside-toplevel
+  s = _setup((4, 2), 4)
+  with s.scope():
+    cost = perf.step_cost(s, s.abstract_state(), None)
+  assert cost['model_flops'] == cost['lm_analytic_flops']
