@@ -145,3 +145,20 @@ def test_a_programs_first_run_has_the_devices_to_itself(tmp_path, devices, monke
     assert not [e for e in names[first:end] if e.startswith('make')], (step, names[first:end])
   made = [t for e, t in events if e.startswith('make')]
   assert made == ['zoo-prefetch'] * 12  # Every batch on the thread, none given up.
+
+
+def test_each_new_program_runs_alone_at_first():
+  """A step called with a batch of new shapes (the eval and scoring steps compile a program
+  per shape) runs inside quiet() once more; repeated shapes run as dispatched."""
+  entered = []
+
+  class Quiet:
+    def __enter__(self):
+      entered.append(1)
+
+    def __exit__(self, *exc):
+      return False
+  step = train.alone_at_first(lambda state, batch: batch['x'] + state, Quiet)
+  for rows in (4, 4, 8, 4, 8):
+    step(np.float32(1), {'x': np.zeros(rows, np.float32)})
+  assert len(entered) == 2

@@ -116,18 +116,20 @@ class Reporter:
 
 
 def alone_at_first(fn: Callable, quiet: Callable) -> Callable:
-  """`fn` (a compiled step) whose first call runs with the devices to itself: `quiet()` (the
-  prefetch thread copies nothing) is held until its outputs are ready. XLA captures cuDNN's
-  graphs on a program's first execution, and a host-to-device copy from another thread in
-  the meantime breaks the capture (on an H100 with cuDNN attention on packed documents:
-  'cuda_graph_end_capture ... capturing stream has unjoined work' at the first step); later
-  calls run as dispatched."""
-  first = [True]
+  """`fn` (a step) whose first call with each new set of argument shapes (a new program: the
+  eval and scoring steps compile one per shape) runs with the devices to itself: `quiet()`
+  (the prefetch thread copies nothing) is held until its outputs are ready. XLA captures
+  cuDNN's graphs on a program's first execution, and a host-to-device copy from another
+  thread in the meantime is what the crash on an H100 with cuDNN attention on packed
+  documents points at ('cuda_graph_end_capture ... capturing stream has unjoined work' at
+  the first step); later calls run as dispatched."""
+  seen = set()
 
   def call(*args):
-    if not first[0]:
+    shapes = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args[1:]))  # The batch's.
+    if shapes in seen:
       return fn(*args)
-    first[0] = False
+    seen.add(shapes)
     with quiet():
       return jax.block_until_ready(fn(*args))
   return call
