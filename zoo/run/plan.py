@@ -197,14 +197,14 @@ def _loss_lines(p: dict) -> list[str]:
 
 def _attention_lines(p: dict) -> list[str]:
   """Which implementation each attention layer runs (layers under nn.scan are one path)."""
-  layers = p['attention']['layers']
-  if not layers:
+  chosen = p['attention']['layers']
+  if not chosen:
     return []
   lines = [f"attention (model.attention={p['attention']['requested']!r} on "
            f"{p['platform']}), per layer:"]
   groups = {}
   by_number = lambda item: [int(t) if t.isdigit() else t for t in re.split(r'(\d+)', item[0])]
-  for path, (used, why) in sorted(layers.items(), key=by_number):  # block_2 before block_10.
+  for path, (used, why) in sorted(chosen.items(), key=by_number):  # block_2 before block_10.
     groups.setdefault((used, why), []).append(path)
   for (used, why), paths in groups.items():
     shown = ', '.join(paths[:3]) + (f' ... ({len(paths)} in all)' if len(paths) > 3 else '')
