@@ -3,6 +3,8 @@ instead, on one CUDA GPU, both measured in the same run. Not a test.
 
     python benchmarks/gpu_bench.py [--out=gpu_bench.json] [--rows=char_lm:100m,...] [--steps=100]
     python benchmarks/gpu_bench.py --smoke [--no_compile]   # Tiny shapes; any machine, CPU too.
+    python benchmarks/gpu_bench.py --rows=llama-3.2-1b \
+        --zoo_flags=--config.model.embedding_grad=sorted     # Another zoo setting, same peer.
 
 Rows (same batch, sequence length and layer shapes on both sides):
   char_lm:100m   zoo's experiments/char_lm.py:100m (12 x 768, batch 32 x 1024, the char data's
@@ -226,6 +228,7 @@ def zoo_flags(row: Row, s: Shape, steps: int, log_every: int, data_dir: str) -> 
 
 def run_zoo(row: Row, s: Shape, args, scratch: str, data_dir: str) -> dict:
   flags, notes = zoo_flags(row, s, args.steps, args.log_every, data_dir)
+  flags += args.zoo_flags.split()  # Last: they override the row's (e.g. embedding_grad).
   workdir, peak_file = os.path.join(scratch, 'zoo_run'), os.path.join(scratch, 'zoo_peak.json')
   t0 = time.perf_counter()
   error = run_logged([sys.executable, '-c', ZOO_BOOT, peak_file, f'--workdir={workdir}', *flags],
@@ -416,6 +419,8 @@ def parse_args():
   p.add_argument('--data_dir', default='', help='The BPE token dataset: reused if prepared, '
                  'else written there (default: a temporary directory).')
   p.add_argument('--tmp_dir', default=None, help='Where workdirs go (a 1b checkpoint is 12 GB).')
+  p.add_argument('--zoo_flags', default='', help='More zoo.main flags for every zoo row, e.g. '
+                 '"--config.model.embedding_grad=sorted" to measure that gradient.')
   p.add_argument('--smoke', action='store_true', help='Tiny shapes, a few steps, CPU allowed.')
   p.add_argument('--no_compile', action='store_true', help='The peer runs eager (smoke on CPU).')
   p.add_argument('--probe', action='store_true', help=argparse.SUPPRESS)

@@ -20,8 +20,9 @@ Methods (the gradient; the forward pass is the same gather):
   matmul is cheap everywhere and avoids TPU's serial scatter too); above it 'take', which on
   the real 32k-BPE dataset cost no more than one-hot (the whole step gained nothing), and
   whose scatter on TPU and CPU applies updates in turn, without atomics. 'sorted' is there
-  for large vocabularies on GPUs whose data has hot rows; benchmarks/gpu_bench.py measures
-  it (`--config.model.embedding_grad=sorted`) before it becomes anyone's default.
+  for large vocabularies on GPUs whose data has hot rows; `benchmarks/gpu_bench.py
+  --zoo_flags=--config.model.embedding_grad=sorted` measures it before it becomes anyone's
+  default.
 
 Shapes are suffixed: B batch, L length, D d_model, V padded vocabulary.
 """
