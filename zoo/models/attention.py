@@ -79,10 +79,9 @@ def _cudnn_refusal(kv_axis: str) -> str:
   """Why cuDNN's kernel cannot take this layer's sharding ('' if it can): its partitioner
   refuses, when the step compiles, a sequence or head size split over the mesh and queries
   split unlike keys and values."""
-  q_spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', 'act_heads', 'act_kv'))
-  kv_spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', kv_axis, 'act_kv'))
-  if q_spec[1] is not None or q_spec[3] is not None:
-    return 'the rules split the sequence or the head size over the mesh'
+  q_spec, kv_spec = splash.specs(kv_axis)
+  if splash.splits_sequence(q_spec):
+    return splash.SPLIT_SEQUENCE
   if tuple(q_spec) != tuple(kv_spec):
     return 'the rules split queries and keys/values differently'
   return ''

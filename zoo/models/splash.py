@@ -19,6 +19,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zoo.models.layers import platform
+
 LANES = 128          # The kernel's blocks are multiples of this along both lengths.
 MAX_BLOCK = 512      # Larger blocks, fewer grid steps (MaxText's default for long contexts).
 
@@ -33,6 +35,22 @@ def _mesh_size(entry) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
+def specs(kv_axis: str) -> tuple:
+  """The mesh axes of the queries' [B, L, N, H] and the keys' and values' [B, M, G, H]
+  activations under the current rules; `kv_axis` is the key/value heads' logical name."""
+  return (nn.logical_to_mesh_axes(('act_batch', 'act_len', 'act_heads', 'act_kv')),
+          nn.logical_to_mesh_axes(('act_batch', 'act_len', kv_axis, 'act_kv')))
+
+
+SPLIT_SEQUENCE = 'the rules split the sequence or the head size over the mesh'
+
+
+def splits_sequence(spec) -> bool:
+  """Whether a spec from `specs` splits the sequence or the head size (no fused kernel here
+  takes that)."""
+  return spec[1] is not None or spec[3] is not None
+
+
 def refusal(q_BLNH: jax.Array, k_BMGH: jax.Array, kv_axis: str) -> str:
   """Why the kernel cannot take these queries [B, L, N, H] and keys [B, M, G, H] under the
   current mesh and rules ('' if it can). `kv_axis` is the logical name of the key/value
@@ -41,10 +59,9 @@ def refusal(q_BLNH: jax.Array, k_BMGH: jax.Array, kv_axis: str) -> str:
   kv_length, kv_heads = k_BMGH.shape[1], k_BMGH.shape[2]
   if length % LANES or kv_length % LANES:
     return f'lengths {length} and {kv_length} must be multiples of {LANES}'
-  spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', 'act_heads', 'act_kv'))
-  kv_spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', kv_axis, 'act_kv'))
-  if spec[1] is not None or spec[3] is not None:
-    return 'the rules split the sequence or the head size over the mesh'
+  spec, kv_spec = specs(kv_axis)
+  if splits_sequence(spec):
+    return SPLIT_SEQUENCE
   batch_shards, head_shards, kv_shards = (_mesh_size(spec[0]), _mesh_size(spec[2]),
                                           _mesh_size(kv_spec[2]))
   if batch % batch_shards or heads % head_shards or kv_heads % kv_shards or (
@@ -62,15 +79,14 @@ def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: b
   of the key/value heads' activations."""
   _, length, heads, head_dim = q_BLNH.shape
   kv_length = k_BMGH.shape[1]
-  spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', 'act_heads', 'act_kv'))
-  kv_spec = nn.logical_to_mesh_axes(('act_batch', 'act_len', kv_axis, 'act_kv'))
+  spec, kv_spec = specs(kv_axis)
   head_shards = _mesh_size(spec[2])
   # Imported here: the kernel's modules cost every zoo process ~70 ms to import.
   from jax.experimental.pallas.ops.tpu import splash_attention  # pylint: disable=import-outside-toplevel
   kernel_lib = splash_attention.splash_attention_kernel
   mask_lib = splash_attention.splash_attention_mask
   # Off TPU (the tests, on CPU) Pallas interprets the kernel.
-  interpret = jax.sharding.get_abstract_mesh().abstract_device.platform != 'tpu'
+  interpret = platform() != 'tpu'
   blocks = kernel_lib.BlockSizes(
       block_q=_block(length), block_kv=_block(kv_length), block_kv_compute=_block(kv_length),
       block_q_dkv=_block(length), block_kv_dkv=_block(kv_length),

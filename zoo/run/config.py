@@ -109,12 +109,17 @@ def model_config(name: str, **fields) -> ml_collections.ConfigDict:
       continue
     values[f.name] = f.default
   if isinstance(values.get('lora'), lora_lib.Lora):
-    gated = values.get('mlp_activation') in ('swiglu', 'geglu')
-    values['lora'] = ml_collections.ConfigDict(dict(
-        rank=0, alpha=0.0, dropout=0.0,
-        targets=('query', 'key', 'value', 'out') + (('wi_gate', 'wi_up', 'wo') if gated
-                                                    else ('wi', 'wo'))))
+    values['lora'] = _lora(values.get('mlp_activation'), rank=0, alpha=0.0)
   return ml_collections.ConfigDict(values)
+
+
+def _lora(mlp_activation: Optional[str], rank: int, alpha: float) -> ml_collections.ConfigDict:
+  """config.model.lora adapting every projection a model with this MLP has."""
+  gated = mlp_activation in ('swiglu', 'geglu')
+  return ml_collections.ConfigDict(dict(
+      rank=rank, alpha=alpha, dropout=0.0,
+      targets=('query', 'key', 'value', 'out') + (('wi_gate', 'wi_up', 'wo') if gated
+                                                  else ('wi', 'wo'))))
 
 
 def imported_model(workdir: str, experiment: str, lora_rank: int = 0
@@ -132,11 +137,7 @@ def imported_model(workdir: str, experiment: str, lora_rank: int = 0
   c = base_config()
   model = dict(json.loads(storage.read_text(found))['model'])
   c.model = model_config(model.pop('name', None), **model)
-  gated = c.model.get('mlp_activation') in ('swiglu', 'geglu')
-  c.model.lora = ml_collections.ConfigDict(dict(
-      rank=lora_rank, alpha=2.0 * lora_rank, dropout=0.0,
-      targets=('query', 'key', 'value', 'out') + (('wi_gate', 'wi_up', 'wo') if gated
-                                                  else ('wi', 'wo'))))
+  c.model.lora = _lora(c.model.get('mlp_activation'), rank=lora_rank, alpha=2.0 * lora_rank)
   c.checkpoint.init_from = workdir
   c.data.name = 'tokens'
   c.data.path = ''  # A dataset made with the model's tokenizer: --config.data.path.
