@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import experiment, load_config, read_metrics, run_cli
+from conftest import experiment, load_config, read_metrics, run_cli, stop_at
 from zoo import data
 from zoo.errors import CheckpointError
 from zoo.run import setup, train
@@ -47,13 +47,6 @@ def _assert_trees_equal(a, b):
     np.testing.assert_array_equal(x, y)
 
 
-def _stop_at(monkeypatch, stop_step):
-  """Makes the run behave as if SIGTERM arrived during step `stop_step`."""
-  original = checkpoint.StopRequest.__call__
-  monkeypatch.setattr(checkpoint.StopRequest, '__call__',
-                      lambda self, step: step == stop_step or original(self, step))
-
-
 @pytest.fixture(scope='module')
 def straight(tmp_path_factory):
   """A run of 2N steps that never stopped, checkpointed at N and 2N."""
@@ -65,7 +58,7 @@ def straight(tmp_path_factory):
 def test_stop_and_resume_is_bit_identical(straight, tmp_path, monkeypatch, devices):
   del devices
   workdir = str(tmp_path)
-  _stop_at(monkeypatch, N - 2)
+  stop_at(monkeypatch, N - 2)
   train.train_and_evaluate(_config(), workdir)
   assert sorted(_losses(workdir)) == list(range(1, N - 1))
   monkeypatch.undo()

@@ -80,6 +80,14 @@ def run_cli(*args, devices=8, timeout=300):
                         check=False)
 
 
+def stop_at(monkeypatch, stop_step):
+  """Makes a run behave as if SIGTERM arrived during step `stop_step` (it saves and exits)."""
+  from zoo.store import checkpoint  # pylint: disable=import-outside-toplevel
+  original = checkpoint.StopRequest.__call__
+  monkeypatch.setattr(checkpoint.StopRequest, '__call__',
+                      lambda self, step: step == stop_step or original(self, step))
+
+
 def count_calls(monkeypatch, module, name):
   """Replaces module.name by a wrapper that counts its calls; returns the list of calls."""
   original, calls = getattr(module, name), []

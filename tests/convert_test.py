@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, cli_env
+from conftest import REPO, cli_env, stop_at
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.errors import ConfigError
 from zoo.hf import transfer
@@ -309,9 +309,7 @@ def test_fine_tuning_an_import_lowers_the_loss_and_resumes_exactly(hf_dirs, impo
   train.train_and_evaluate(config(), str(tmp_path / 'straight'))
   rows = [r['train/loss'] for r in read_metrics(str(tmp_path / 'straight')) if 'train/loss' in r]
   assert rows[-1] < 0.7 * rows[0], rows
-  original = checkpoint.StopRequest.__call__
-  monkeypatch.setattr(checkpoint.StopRequest, '__call__',
-                      lambda self, step: step == 12 or original(self, step))
+  stop_at(monkeypatch, 12)
   train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
   monkeypatch.undo()
   train.train_and_evaluate(config(), str(tmp_path / 'resumed'))

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, cli_env, experiment, read_metrics
+from conftest import REPO, cli_env, experiment, read_metrics, stop_at
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.errors import ConfigError
 from zoo.hf import transfer
@@ -131,9 +131,7 @@ def test_a_stopped_lora_run_resumes_exactly_on_another_mesh(imported, tuned, tmp
                                                            monkeypatch, devices):
   del devices
   workdir = str(tmp_path / 'resumed')
-  original = checkpoint.StopRequest.__call__
-  monkeypatch.setattr(checkpoint.StopRequest, '__call__',
-                      lambda self, step: step == 10 or original(self, step))
+  stop_at(monkeypatch, 10)
   train.train_and_evaluate(_config(imported), workdir)
   monkeypatch.undo()
   train.train_and_evaluate(_config(imported, **{'mesh.shape': (8, 1)}), workdir)

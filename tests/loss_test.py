@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import load_config
+from conftest import load_config, read_metrics, stop_at
 from zoo.models import layers
 from zoo.run import plan
 from zoo.run import setup as setup_lib
@@ -125,17 +125,13 @@ def test_a_chunked_run_resumes_bit_exactly(tmp_path, monkeypatch, devices):
   """char_lm in 4 loss chunks, stopped (as by SIGTERM) after step 3 and resumed: every
   logged loss equals a straight run's exactly."""
   del devices
-  from conftest import read_metrics  # pylint: disable=import-outside-toplevel
   from zoo.run import train  # pylint: disable=import-outside-toplevel
-  from zoo.store import checkpoint  # pylint: disable=import-outside-toplevel
   config = lambda: load_config('char_lm', **{
       'model.loss_chunks': 4, 'train.steps': 8, 'train.log_every_steps': 1,
       'eval.every_steps': 8, 'checkpoint.every_steps': 4, 'checkpoint.async_save': False})
   losses = lambda w: {r['step']: r['train/loss'] for r in read_metrics(w) if 'train/loss' in r}
   train.train_and_evaluate(config(), str(tmp_path / 'straight'))
-  original = checkpoint.StopRequest.__call__
-  monkeypatch.setattr(checkpoint.StopRequest, '__call__',
-                      lambda self, step: step == 3 or original(self, step))
+  stop_at(monkeypatch, 3)
   train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
   monkeypatch.undo()
   train.train_and_evaluate(config(), str(tmp_path / 'resumed'))

@@ -9,12 +9,11 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import REPO, load_config, read_metrics
+from conftest import REPO, load_config, read_metrics, stop_at
 from zoo import data
 from zoo.data import digits, records
 from zoo.errors import ConfigError
 from zoo.run import train
-from zoo.store import checkpoint
 
 
 def prepare(root, output, *args):
@@ -95,8 +94,7 @@ def test_trains_to_the_in_memory_accuracy_and_resumes_exactly(dataset_dir, tmp_p
                            str(tmp_path / 'memory'))
   files, memory = (read_metrics(str(tmp_path / d))[-1] for d in ('straight', 'memory'))
   assert files['eval/accuracy'] > 0.7 and abs(files['eval/accuracy'] - memory['eval/accuracy']) < 0.1
-  original = checkpoint.StopRequest.__call__
-  monkeypatch.setattr(checkpoint.StopRequest, '__call__', lambda self, step: step == 16 or original(self, step))
+  stop_at(monkeypatch, 16)
   train.train_and_evaluate(_config(dataset_dir, **overrides), str(tmp_path / 'resumed'))
   monkeypatch.undo()
   train.train_and_evaluate(_config(dataset_dir, **overrides), str(tmp_path / 'resumed'))

@@ -11,12 +11,11 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, load_config, read_metrics, trainer
+from conftest import REPO, load_config, read_metrics, stop_at, trainer
 from zoo import data
 from zoo.data import tokens
 from zoo.errors import ConfigError, ZooError
 from zoo.run import train
-from zoo.store import checkpoint
 
 # A corpus with multi-byte characters: bytes per token and per character differ.
 DOCUMENTS = [f'Document {i}: caf\u00e9 na\u00efve \u2603 ' + 'the quick brown fox jumps. ' * (5 + i % 7)
@@ -104,8 +103,7 @@ def test_stop_and_resume_is_exact(dataset_dir, tmp_path, monkeypatch, devices):
   config = lambda: _config(dataset_dir, **{'train.steps': 12, 'checkpoint.every_steps': 4,
                                            'eval.every_steps': 12})
   train.train_and_evaluate(config(), str(tmp_path / 'straight'))
-  original = checkpoint.StopRequest.__call__
-  monkeypatch.setattr(checkpoint.StopRequest, '__call__', lambda self, step: step == 6 or original(self, step))
+  stop_at(monkeypatch, 6)
   train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
   monkeypatch.undo()
   train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
