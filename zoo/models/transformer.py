@@ -63,6 +63,7 @@ import numpy as np
 from zoo.errors import fail
 from zoo.models import embedding
 from zoo.models import lora as lora_lib
+from zoo.models import moe as moe_lib
 from zoo.models import rope as rope_lib
 from zoo.models.attention import IMPLEMENTATIONS, Attention
 from zoo.models.layers import NORMS, norm as norm_layer, param
@@ -225,15 +226,17 @@ class Spec:
   dtype: str
   dropout_rate: float
   decode: bool
+  moe: moe_lib.Moe = moe_lib.Moe()
 
   @classmethod
   def of(cls, module: Transformer) -> 'Spec':
-    direct = {f.name for f in dataclasses.fields(cls)} - {'rope', 'local_rope'}
+    direct = {f.name for f in dataclasses.fields(cls)} - {'rope', 'local_rope', 'moe'}
     global_rope = rope_lib.Rope(
         module.rope_theta, module.rope_scaling, module.rope_factor, module.rope_low_freq_factor,
         module.rope_high_freq_factor, module.rope_original_max_len)
     local_rope = rope_lib.Rope(module.rope_local_theta) if module.rope_local_theta else None
-    return cls(rope=global_rope, local_rope=local_rope,
+    moe = getattr(module, 'moe', moe_lib.Moe())  # The families that have routed experts.
+    return cls(rope=global_rope, local_rope=local_rope, moe=moe,
                **{name: getattr(module, name) for name in direct})
 
 
@@ -283,9 +286,11 @@ class Block(nn.Module):
   """Pre-norm residual block: self-attention, optional cross-attention, MLP; with
   `post_norms` each branch's output is normalised too before it is added (Gemma 2).
 
-  Returns (x, None) so that the same block runs unrolled or as the body of `nn.scan`.
-  `local`: the layer attends within the sliding window; None: the call's `local` argument
-  says (a traced flag, when layers differ under nn.scan).
+  Returns (x, the routed experts' router statistics, or None) so that the same block runs
+  unrolled or as the body of `nn.scan` (which stacks them over layers). `local`: the layer
+  attends within the sliding window; None: the call's `local` argument says (a traced flag,
+  when layers differ under nn.scan). `routed`: the MLP is the spec's routed experts
+  (zoo.models.moe), plus its shared expert if it has one.
   """
   spec: Spec                 # The family's sizes and switches.
   causal: bool = False
@@ -294,13 +299,14 @@ class Block(nn.Module):
   cache_length: int = 0
   deterministic: bool = True
   local: Optional[bool] = False
+  routed: bool = False
 
   @nn.compact
   def __call__(self, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None,
                positions_BL: Optional[jax.Array] = None,
                start_B: Optional[jax.Array] = None,
                segments_BL: Optional[jax.Array] = None,
-               local: Optional[jax.Array] = None) -> tuple[jax.Array, None]:
+               local: Optional[jax.Array] = None) -> tuple[jax.Array, Optional[dict]]:
     s = self.spec
     drop = lambda y: nn.Dropout(s.dropout_rate)(y, deterministic=self.deterministic)
     attention = dict(num_heads=s.num_heads, head_dim=s.head_size, use_bias=s.use_bias,
@@ -319,21 +325,35 @@ class Block(nn.Module):
     if self.cross:
       x_BLD = x_BLD + drop(Attention(num_kv_heads=s.num_heads, **attention, name='cross_attn')(
           norm(s, 'ln_cross')(x_BLD), context_BMD))
-    x_BLD = x_BLD + branch(MlpBlock(
-        s.mlp_dim, s.mlp_activation, s.use_bias, s.dtype, s.lora, self.deterministic,
-        name='mlp')(norm(s, 'ln_mlp')(x_BLD)), 'ln_mlp')
-    return nn.with_logical_constraint(x_BLD, ('act_batch', 'act_len', 'act_embed')), None
+    y_BLD, stats = norm(s, 'ln_mlp')(x_BLD), None
+    if self.routed:
+      mask_BL = None if segments_BL is None else segments_BL > 0  # Packing's padding: 0.
+      out_BLD, stats = moe_lib.MoeBlock(s.moe, s.mlp_activation, s.dtype, name='moe')(
+          y_BLD, mask_BL)
+      if s.moe.shared_mlp_dim:  # Qwen2-MoE: a dense expert every token takes, gated.
+        gate_D = param(self, 'shared_gate', (y_BLD.shape[-1],), ('embed',), jnp.float32)
+        gate_BL = jax.nn.sigmoid(jnp.einsum('BLD,D->BL', y_BLD.astype(jnp.float32), gate_D))
+        shared_BLD = MlpBlock(s.moe.shared_mlp_dim, s.mlp_activation, s.use_bias, s.dtype,
+                              s.lora, self.deterministic, name='shared_expert')(y_BLD)
+        out_BLD = out_BLD + (gate_BL[..., None] * shared_BLD).astype(out_BLD.dtype)
+    else:
+      out_BLD = MlpBlock(s.mlp_dim, s.mlp_activation, s.use_bias, s.dtype, s.lora,
+                         self.deterministic, name='mlp')(y_BLD)
+    x_BLD = x_BLD + branch(out_BLD, 'ln_mlp')
+    return nn.with_logical_constraint(x_BLD, ('act_batch', 'act_len', 'act_embed')), stats
 
 
 def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Array] = None, *,
            prefix: str, train: bool, causal: bool = False, cross: bool = False,
            rotary: bool = False, positions_BL: Optional[jax.Array] = None,
            start_B: Optional[jax.Array] = None, segments_BL: Optional[jax.Array] = None,
-           cache_length: int = 0) -> jax.Array:
+           cache_length: int = 0, stats: Optional[list] = None) -> jax.Array:
   """Runs `module.num_layers` Blocks, unrolled (`{prefix}_{i}`) or under nn.scan (`{prefix}s`).
 
   Call inside the `nn.compact` method of a Transformer `module`: the blocks become its
-  submodules, sized and switched by its fields.
+  submodules, sized and switched by its fields. Layers with routed experts (`routed_layers`
+  of a module with `moe`) append their router statistics to `stats`, stacked over layers
+  under nn.scan.
   """
   cls = Block
   policy = REMAT_POLICIES[module.remat]
@@ -344,6 +364,8 @@ def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Arra
                 cache_length=cache_length, deterministic=not train)
   extra = (context_BMD, positions_BL, start_B, segments_BL)  # The same for every block.
   local = [module.is_local(i) for i in range(module.num_layers)]
+  routed = getattr(module, 'routed_layers', lambda: ())()
+  stats = [] if stats is None else stats
   if module.scan_layers:
     mixed = len(set(local)) > 1  # Then each layer's flag is scanned over, with its params.
     stack = nn.scan(cls, variable_axes={'params': 0, 'cache': 0},
@@ -351,11 +373,17 @@ def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Arra
                     in_axes=(nn.broadcast,) * len(extra) + ((0,) if mixed else ()),
                     length=module.num_layers, metadata_params={nn.PARTITION_NAME: 'layers'})
     flags = (jnp.array(local),) if mixed else ()
-    x_BLD, _ = stack(**fields, local=None if mixed else local[0], name=f'{prefix}s')(
-        x_BLD, *extra, *flags)
+    x_BLD, scanned = stack(**fields, local=None if mixed else local[0],
+                           routed=bool(routed), name=f'{prefix}s')(x_BLD, *extra, *flags)
+    if scanned is not None:  # Every layer routed (transformer_lm checks).
+      stats.extend(jax.tree.map(lambda v, i=i: v[i], scanned)
+                   for i in range(module.num_layers))
     return x_BLD
   for i in range(module.num_layers):
-    x_BLD, _ = cls(**fields, local=local[i], name=f'{prefix}_{i}')(x_BLD, *extra)
+    x_BLD, layer = cls(**fields, local=local[i], routed=i in routed, name=f'{prefix}_{i}')(
+        x_BLD, *extra)
+    if layer is not None:
+      stats.append(layer)
   return x_BLD
 
 

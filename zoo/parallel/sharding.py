@@ -15,6 +15,8 @@ import jax
 import numpy as np
 
 MESH_AXES = ('batch', 'model')
+# A mesh axis that mesh.axes may add: rules naming it are left out on a mesh without it.
+OPTIONAL_MESH_AXES = ('expert',)
 
 # logical name -> (default mesh axis, meaning). The one table of names zoo uses.
 LOGICAL_AXES = {
@@ -31,6 +33,10 @@ LOGICAL_AXES = {
     'conv_width': (None, 'columns of a convolution kernel'),
     'layers': (None, 'stacked layers of an nn.scan (model.scan_layers); replicated'),
     'lora': (None, 'rank of a LoRA adapter (zoo.models.lora; small, so replicated)'),
+    'experts': (None, 'routed experts of a mixture of experts (zoo.models.moe; expert_rules '
+                'splits them over an expert mesh axis)'),
+    'expert_embed': (None, "model width in the routed experts' weights (FSDP splits it "
+                     "like 'embed')"),
     # Activations.
     'act_batch': ('batch', 'examples of the global batch (data parallel)'),
     'act_len': (None, 'sequence positions'),
@@ -58,7 +64,29 @@ def fsdp_rules() -> list[tuple]:
   roughly as 1/(batch shards); each layer's weights are all-gathered as it runs, and
   their gradients reduce-scattered. Activations keep their own names and are unchanged.
   """
-  return [(name, 'batch' if name == 'embed' else axis) for name, axis in standard_rules()]
+  return [(name, 'batch' if name in ('embed', 'expert_embed') else axis)
+          for name, axis in standard_rules()]
+
+
+def expert_rules(rules: Sequence) -> list[tuple]:
+  """`rules` plus expert parallelism over a mesh axis 'expert', for a mesh.axes that has
+  one (on a mesh without it these are `rules` again, see for_mesh): the routed experts
+  split over it, and so does everything the rules split over 'batch' (the batch itself,
+  FSDP's parameters), as MaxText's expert axis does. Flax takes the first rule whose mesh
+  axes a parameter has not used yet: an expert weight's 'expert_embed' falls back to
+  'batch' alone."""
+  rules = rules_tuple(rules)
+  wider = [(name, mesh_axes_of(axis) + ('expert',)) for name, axis in rules
+           if 'batch' in mesh_axes_of(axis)]
+  return [('experts', 'expert'), *wider, *rules]
+
+
+def for_mesh(rules: Sequence, mesh_axes: Sequence[str]) -> tuple:
+  """`rules` for a mesh with `mesh_axes`: those naming an optional mesh axis
+  (OPTIONAL_MESH_AXES) that it lacks are left out."""
+  absent = set(OPTIONAL_MESH_AXES) - set(mesh_axes)
+  return tuple((name, axis) for name, axis in rules_tuple(rules)
+               if not absent & set(mesh_axes_of(axis)))
 
 
 def rules_tuple(rules: Sequence) -> tuple:

@@ -295,7 +295,8 @@ def _validate_run(config):
 def _validate_batch_sizes(config, num_devices):
   """Global batches divide over the batch shards, and so do microbatches."""
   shape = mesh_lib.resolve_mesh_shape(config.mesh.shape, num_devices)
-  axes = sharding.batch_mesh_axes(config.logical_axis_rules)
+  axes = sharding.batch_mesh_axes(sharding.for_mesh(config.logical_axis_rules,
+                                                    config.mesh.axes))
   batch_shards = math.prod(shape[config.mesh.axes.index(a)] for a in axes)
   for field in ('train.batch_size', 'eval.batch_size'):
     group, key = field.split('.')
@@ -318,7 +319,7 @@ def _validate_rules(rules, mesh_axes):
       fail('logical_axis_rules', f'unknown logical axis {name!r}; '
            f'known: {", ".join(sharding.LOGICAL_AXES)}')
     for a in sharding.mesh_axes_of(axis):
-      if a not in mesh_axes:
+      if a not in mesh_axes and a not in sharding.OPTIONAL_MESH_AXES:
         fail('logical_axis_rules', f'rule ({name!r}, {axis!r}) names mesh axis {a!r}, '
              f'but the mesh axes are {tuple(mesh_axes)}')
 

@@ -118,7 +118,8 @@ def build(config: ml_collections.ConfigDict, dataset: Dataset,
   if mesh is None:
     mesh = mesh_lib.make_mesh(config.mesh.shape, config.mesh.axes, devices,
                               dcn_shape=config.mesh.dcn_shape)
-  rules = sharding.rules_tuple(config.logical_axis_rules if rules is None else rules)
+  rules = sharding.for_mesh(config.logical_axis_rules if rules is None else rules,
+                            mesh.axis_names)
   family = models.MODELS[config.model.name]
   task = tasks.TASKS[family.task]
   model = models.build(config.model, **dataset.model_fields)
@@ -153,7 +154,7 @@ def placed(config: ml_collections.ConfigDict, dataset: Dataset, mesh_shape: str 
   axes, devices = tuple(config.mesh.axes), jax.devices()
   one = mesh_lib.make_mesh([1] * len(axes), axes, devices[:1])
   logical = build(config, dataset, mesh=one).logical_state.params  # The parameters' names.
-  wanted = sharding.rules_tuple(config.logical_axis_rules)
+  wanted = sharding.for_mesh(config.logical_axis_rules, axes)
   if mesh_shape:
     mesh = mesh_lib.make_mesh(mesh_lib.parse_mesh_shape(mesh_shape, axes, len(devices)), axes,
                               devices)

@@ -63,15 +63,25 @@ def state_initializer(model: nn.Module, optimizer: optax.GradientTransformation,
 
 
 def loss(params: Any, state: TrainState, batch: dict, rng: jax.Array, task: Task,
-         total: jax.Array) -> tuple[jax.Array, dict]:
+         total: jax.Array) -> tuple[jax.Array, tuple]:
   """The batch's loss (the task's, summed over the targets that count) over `total`, the
-  targets that count in the whole global batch (every microbatch). The model state the
-  forward pass updated comes too."""
+  targets that count in the whole global batch (every microbatch), plus the model's own
+  weighted losses (a dict output's 'aux_loss': routed experts' router losses) at the
+  batch's share of `total`. Also returns the model state the forward pass updated, and
+  {'loss': the task's loss alone, the model's 'aux_metrics'...} at that share (summed over
+  microbatches, each is the batch's)."""
   out, model_state = state.apply_fn(
       {'params': params, **state.model_state}, *task.model_inputs(batch),
       **task.model_keywords(batch), train=True, rngs={'dropout': rng},
       mutable=list(state.model_state))
-  return task.loss_sum(out, batch) / total, model_state
+  value = task.loss_sum(out, batch) / total
+  figures = {'loss': value}
+  if isinstance(out, dict) and 'aux_loss' in out:
+    share = task.counted(batch) / total
+    figures.update({k: v * share for k, v in out['aux_metrics'].items()})
+    figures['aux_loss'] = out['aux_loss'] * share
+    value = value + figures['aux_loss']
+  return value, (model_state, figures)
 
 
 def _microbatches(x, k):
@@ -89,8 +99,9 @@ def dropout_key(seed: int, step: jax.Array) -> jax.Array:
 
 def train_step(state: TrainState, batch: dict, seed: int, task: Task,
                microbatches: int = 1, trainable: Trainable = None) -> tuple[TrainState, dict]:
-  """One optimizer step on a global batch; returns the new state, the loss and the
-  gradient norm (computed once, for the metric and for optim.clip_by_global_norm). The
+  """One optimizer step on a global batch; returns the new state, the loss, the gradient
+  norm (computed once, for the metric and for optim.clip_by_global_norm) and the model's
+  own figures (routed experts' router losses and loads: `loss`'s). The
   loop adds the parameter norm (check_state, a separate program) only at the steps it
   logs, evaluates or saves.
 
@@ -111,20 +122,22 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
     objective = lambda p, *args, f=objective: f(merge(p, frozen), *args)
   grad_fn = jax.value_and_grad(objective, has_aux=True)
   if microbatches == 1:
-    (mean_loss, model_state), grads = grad_fn(trained, state, batch, rng)
+    (_, (model_state, figures)), grads = grad_fn(trained, state, batch, rng)
   else:
     def accumulate(carry, xs):
-      loss_sum, grad_sum, model_state = carry
+      sums, grad_sum, model_state = carry
       index, micro = xs
       micro_state = state.replace(model_state=model_state)
-      (micro_loss, model_state), grads = grad_fn(trained, micro_state, micro,
-                                                 jax.random.fold_in(rng, index))
+      (_, (model_state, figures)), grads = grad_fn(trained, micro_state, micro,
+                                                   jax.random.fold_in(rng, index))
       grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-      return (loss_sum + micro_loss, grad_sum, model_state), None
+      return (jax.tree.map(jnp.add, sums, figures), grad_sum, model_state), None
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained)
     micro = jax.tree.map(lambda x: _microbatches(x, microbatches), batch)
-    (mean_loss, grads, model_state), _ = jax.lax.scan(
-        accumulate, (jnp.zeros((), jnp.float32), zeros, state.model_state),
+    shapes = jax.eval_shape(lambda: grad_fn(trained, state, jax.tree.map(lambda x: x[0], micro),
+                                            rng)[0][1][1])
+    (figures, grads, model_state), _ = jax.lax.scan(
+        accumulate, (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), zeros, state.model_state),
         (jnp.arange(microbatches), micro))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
   grad_norm = optax.tree.norm(grads)
@@ -134,7 +147,8 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
     params = merge(params, frozen)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                             model_state=model_state)
-  metrics = {'train/loss': mean_loss, 'train/grad_norm': grad_norm}
+  metrics = {f'train/{name}': value for name, value in figures.items()}
+  metrics['train/grad_norm'] = grad_norm
   if 'mask' in batch:  # The fraction of the batch's targets that are padding.
     metrics['train/padding'] = 1.0 - total / batch['targets'].size
   return new_state, metrics
