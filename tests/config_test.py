@@ -178,7 +178,7 @@ def _parse_flags(argv):
   return holder.value
 
 
-@pytest.mark.parametrize('name', ['char_lm', 'bpe_lm', 'finetune_lm'])
+@pytest.mark.parametrize('name', ['char_lm', 'bpe_lm', 'finetune_lm', 'moe_lm'])
 def test_every_documented_model_key_is_settable_on_every_lm_experiment(name, tmp_path):
   """docs/configuration.md's model keys: each one set on the command line of each language-
   model experiment (finetune_lm's model is an imported workdir's config.json, here one that

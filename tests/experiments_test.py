@@ -16,6 +16,7 @@ EXPERIMENTS = {
     'vit_digits': ('eval/accuracy', lambda v: v > 0.4),
     # Below the corpus's unigram entropy (4.69 bits): the model uses context.
     'char_lm': ('eval/bits_per_char', lambda v: v < 4.3),
+    'moe_lm': ('eval/bits_per_char', lambda v: v < 4.3),
     # Per-digit accuracy above chance (0.1); exact match needs the full run.
     'seq_sort': ('eval/accuracy', lambda v: v > 0.2),
 }
@@ -39,7 +40,7 @@ def test_smoke_trains_and_writes_outputs(name, tmp_path, devices):
               'train/grad_norm', 'train/param_norm', 'train/learning_rate'):
     assert key in train_row
   assert train_row['perf/mfu'] > 0 and train_row['perf/flops_per_step'] > 0
-  assert ('perf/tokens_per_s' in train_row) == (name in ('char_lm', 'seq_sort'))
+  assert ('perf/tokens_per_s' in train_row) == (name in ('char_lm', 'moe_lm', 'seq_sort'))
   assert glob.glob(os.path.join(workdir, 'events.out.tfevents.*'))
   with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
     assert json.load(f)['train']['steps'] == config.train.steps

@@ -81,6 +81,9 @@ def grouped_matmul(rows_ND: jax.Array, w_GDF: jax.Array, sizes_G: jax.Array, met
                               preferred_element_type=jnp.float32).astype(dtype)
   n, d = rows_ND.shape
   f = w_GDF.shape[2]
+  # The kernels leave rows outside every group unwritten, in the rows' gradient too.
+  valid = jnp.arange(n) < sizes_G.sum()
+  rows_ND = _zero_grad_outside(rows_ND, valid)
   if method == 'megablox':
     from jax.experimental.pallas.ops.tpu import megablox  # pylint: disable=g-import-not-at-top
     tile = lambda size, most: math.gcd(size, most)
@@ -93,9 +96,18 @@ def grouped_matmul(rows_ND: jax.Array, w_GDF: jax.Array, sizes_G: jax.Array, met
     out = _mosaic_gpu_gmm(rows_ND.astype(dtype), w_GDF.astype(dtype), sizes_G)
   else:
     raise ValueError(f'unknown grouped matmul {method!r}; known: {", ".join(GROUPED_MATMULS)}')
-  # Megablox leaves rows outside every group unwritten.
-  valid = jnp.arange(n) < sizes_G.sum()
   return jnp.where(valid[:, None], out, 0).astype(dtype)
+
+
+@jax.custom_vjp
+def _zero_grad_outside(rows_ND, valid_N):
+  """The rows; in the backward pass, their gradient zeroed where not `valid_N`."""
+  del valid_N
+  return rows_ND
+
+
+_zero_grad_outside.defvjp(lambda rows, valid: (rows, valid),
+                          lambda valid, d: (jnp.where(valid[:, None], d, 0), None))
 
 
 _MGPU = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)

@@ -1,0 +1,275 @@
+"""Routed experts (zoo.models.moe): the layer equals a dense per-token reference on every
+mesh, expert axis included, forward and gradients; drops are exactly the rows a capacity or
+a bounded buffer turns away, and counted; the grouped matmuls agree; the router losses are
+Hugging Face's; experiments/moe_lm.py resumes bit-exactly and on another mesh; the TPU
+compiler gets Megablox and ragged all-to-all."""
+import importlib.util
+import math
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import load_config, read_metrics, stop_at
+from zoo.models import moe, transformer_lm
+from zoo.parallel import mesh as mesh_lib
+from zoo.parallel import sharding, topology
+from zoo.run import config as cfg
+
+needs_libtpu = pytest.mark.skipif(not importlib.util.find_spec('libtpu'), reason='needs libtpu')
+E, K, D, F = 8, 2, 16, 16
+# (mesh axes, shape, rules): data, tensor and FSDP meshes, and expert parallelism 4 ways
+# (with FSDP; with the experts' hidden units split over 'model').
+MESHES = {
+    '(8,1)': (('batch', 'model'), (8, 1), sharding.standard_rules()),
+    '(4,2)': (('batch', 'model'), (4, 2), sharding.standard_rules()),
+    '(2,4) fsdp': (('batch', 'model'), (2, 4), sharding.fsdp_rules()),
+    'expert 4 fsdp': (('batch', 'expert', 'model'), (2, 4, 1),
+                      sharding.expert_rules(sharding.fsdp_rules())),
+    'expert 4 x model 2': (('batch', 'expert', 'model'), (1, 4, 2),
+                           sharding.expert_rules(sharding.standard_rules())),
+}
+
+
+def _inputs(seed=0, shape=(8, 4, D)):
+  """Inputs and parameters of order 1 (decisive routing, outputs well above rounding)."""
+  x = jax.random.normal(jax.random.key(seed), shape)
+  boxed = moe.MoeBlock(moe.Moe(E, K, F)).init(jax.random.key(1), x)['params']
+  keys = iter(jax.random.split(jax.random.key(2), 8))
+  params = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape) / math.sqrt(p.shape[-2]),
+                        nn.meta.unbox(boxed))
+  return params, x
+
+
+def _reference(params, x, kept=None, norm_topk_prob=True):
+  """Every expert on every token, weighted by the token's gates (0 where not chosen, or
+  where `kept` [B, L, K] says its row was dropped)."""
+  logits = jnp.einsum('BLD,DE->BLE', x, params['router'])
+  gates, ids = moe.route(logits, K, norm_topk_prob)
+  if kept is not None:
+    gates = gates * kept
+  weights = (jax.nn.one_hot(ids, E) * gates[..., None]).sum(2)
+  h = nn.silu(jnp.einsum('BLD,EDF->BLEF', x, params['wi_gate'])) * jnp.einsum(
+      'BLD,EDF->BLEF', x, params['wi_up'])
+  return jnp.einsum('BLEF,EFD,BLE->BLD', h, params['wo'], weights)
+
+
+def _layer(settings, mesh_name=None):
+  """(y, statistics) and the gradient of sum(y^2) with respect to params and x, jitted on
+  the named mesh (or without one)."""
+  block = moe.MoeBlock(settings)
+  fwd = lambda p, x: block.apply({'params': p}, x)
+  grad = jax.grad(lambda p, x: jnp.sum(fwd(p, x)[0] ** 2), argnums=(0, 1))
+  if mesh_name is None:
+    return jax.jit(fwd), jax.jit(grad)
+  axes, shape, rules = MESHES[mesh_name]
+  mesh = mesh_lib.make_mesh(shape, axes)
+  rules = sharding.for_mesh(rules, axes)
+
+  def scoped(f):
+    def run(*args):
+      with sharding.scope(mesh, rules):
+        return jax.jit(f)(*args)
+    return run
+  return scoped(fwd), scoped(grad)
+
+
+def _assert_close(got, want, what):
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5,
+                               err_msg=f'{what}{jax.tree_util.keystr(path)}')
+
+
+@pytest.mark.parametrize('mesh_name', sorted(MESHES))
+def test_dropless_layer_equals_the_dense_reference(mesh_name, devices):
+  """Forward and gradients (parameters and inputs) within float32 rounding of every
+  expert run on every token, nothing dropped: data, tensor, FSDP and expert-parallel."""
+  del devices
+  params, x = _inputs()
+  fwd, grad = _layer(moe.Moe(E, K, F), mesh_name)
+  (y, stats), grads = fwd(params, x), grad(params, x)
+  want = _reference(params, x)
+  assert float(jnp.abs(want).mean()) > 0.1  # Far above the tolerance.
+  _assert_close(y, want, 'y')
+  _assert_close(grads, jax.grad(lambda p, x: jnp.sum(_reference(p, x) ** 2), argnums=(0, 1))(
+      params, x), 'grad')
+  assert float(stats['dropped']) == 0.0
+
+
+def _kept(ids, shards, limit, group_of):
+  """Which rows [B, L, K] survive when each of `shards` equal blocks of the batch sorts
+  its rows by expert (ties in token order) and keeps the first `limit` rows of each group
+  (`group_of(expert)`: the expert itself for a capacity, its device for slabs)."""
+  ids = np.asarray(ids)
+  kept = np.zeros(ids.shape, bool)
+  per = ids.shape[0] // shards
+  for block in range(0, ids.shape[0], per):
+    flat, seen = ids[block:block + per].reshape(-1), {}
+    keep = np.zeros(flat.shape, bool)
+    for i in np.argsort(flat, kind='stable'):
+      seen[group_of(flat[i])] = seen.get(group_of(flat[i]), 0) + 1
+      keep[i] = seen[group_of(flat[i])] <= limit
+    kept[block:block + per] = keep.reshape(kept[block:block + per].shape)
+  return kept
+
+
+@pytest.mark.parametrize('mesh_name', ['(8,1)', 'expert 4 fsdp'])
+def test_a_capacity_drops_exactly_the_rows_beyond_it_and_counts_them(mesh_name, devices):
+  """capacity_factor 0.5: each device's experts keep their first C = 0.5 x rows / E rows;
+  the output is the reference without the others, and `dropped` is their fraction."""
+  del devices
+  params, x = _inputs(shape=(8, 16, D))
+  fwd, _ = _layer(moe.Moe(E, K, F, capacity_factor=0.5), mesh_name)
+  y, stats = fwd(params, x)
+  ids = moe.route(jnp.einsum('BLD,DE->BLE', x, params['router']), K, True)[1]
+  rows = 16 * K  # One row of the batch per device, 16 tokens, 2 choices each.
+  kept = _kept(ids, 8, math.ceil(0.5 * rows / E), lambda e: e)
+  assert 0 < (~kept).sum()
+  _assert_close(y, _reference(params, x, kept), 'y')
+  assert float(stats['dropped']) == pytest.approx((~kept).mean())
+  fwd, _ = _layer(moe.Moe(E, K, F, capacity_factor=float(E)), mesh_name)  # Room for all.
+  _assert_close(fwd(params, x)[0], _reference(params, x), 'y')
+
+
+def test_a_bounded_expert_buffer_drops_exactly_what_does_not_fit_and_counts_it(devices):
+  """Expert parallelism over 4 devices with expert_buffer 0.5 (CPU: fixed slabs of
+  0.5 x rows / 4 per pair of devices): the rows past a slab are dropped, and counted."""
+  del devices
+  params, x = _inputs(shape=(8, 16, D))
+  fwd, grad = _layer(moe.Moe(E, K, F, buffer=0.5), 'expert 4 fsdp')
+  y, stats = fwd(params, x)
+  ids = moe.route(jnp.einsum('BLD,DE->BLE', x, params['router']), K, True)[1]
+  kept = _kept(ids, 8, math.ceil(0.5 * 16 * K / 4), lambda e: e // (E // 4))
+  assert 0 < (~kept).sum()
+  _assert_close(y, _reference(params, x, kept), 'y')
+  assert float(stats['dropped']) == pytest.approx((~kept).mean())
+  _assert_close(grad(params, x), jax.grad(lambda p, x: jnp.sum(_reference(p, x, kept) ** 2),
+                                          argnums=(0, 1))(params, x), 'grad')
+
+
+def test_megablox_interpreted_equals_ragged_dot(devices):
+  """Megablox (interpreted off TPU) equals jax.lax.ragged_dot, forward and gradients, rows
+  past the last group zero (an uneven row count is padded to its tile)."""
+  del devices
+  rows = jax.random.normal(jax.random.key(0), (40, 128))
+  w = jax.random.normal(jax.random.key(1), (4, 128, 128)) / 10
+  sizes = jnp.array([5, 0, 20, 9], jnp.int32)  # 34 of 40 rows in groups.
+  out = {}
+  for method in ('ragged_dot', 'megablox'):
+    f = lambda r, w, m=method: moe.grouped_matmul(r, w, sizes, m, jnp.float32)
+    out[method] = (f(rows, w), jax.grad(lambda r, w, f=f: jnp.sum(f(r, w) ** 2),
+                                        argnums=(0, 1))(rows, w))
+  assert float(jnp.abs(out['megablox'][0][34:]).max()) == 0.0
+  _assert_close(out['megablox'], out['ragged_dot'], 'megablox')
+
+
+def test_router_losses_are_hugging_faces(devices):
+  """The pooled load-balance loss equals transformers' load_balancing_loss_func over two
+  layers (k = 2 when the router is uniform), and the z-loss is the mean squared logsumexp."""
+  del devices
+  torch = pytest.importorskip('torch')
+  from transformers.models.mixtral import modeling_mixtral  # pylint: disable=import-outside-toplevel
+  model = transformer_lm.TransformerLM(num_layers=2, d_model=D, num_heads=2, mlp_dim=F,
+                                       vocab_size=16, max_len=8, num_experts=E,
+                                       experts_per_token=K, router_aux_coef=0.5,
+                                       router_z_coef=0.25)
+  logits = [jax.random.normal(jax.random.key(i), (2, 5, E)) * 2 for i in range(2)]
+  stats = [moe.statistics(l, moe.route(l, K, True)[1], None, jnp.zeros(())) for l in logits]
+  aux, metrics = transformer_lm.router_losses(model, stats)
+  want = modeling_mixtral.load_balancing_loss_func(
+      tuple(torch.tensor(np.asarray(l).reshape(-1, E)) for l in logits), E, K)
+  assert float(metrics['moe/balance_loss']) == pytest.approx(float(want), rel=1e-5)
+  z = np.mean([np.square(jax.nn.logsumexp(l, axis=-1)) for l in logits])
+  assert float(metrics['moe/z_loss']) == pytest.approx(float(z), rel=1e-5)
+  assert float(aux) == pytest.approx(0.5 * float(want) + 0.25 * float(z), rel=1e-5)
+  uniform = [moe.statistics(jnp.zeros((2, 5, E)), moe.route(jnp.zeros((2, 5, E)), K, True)[1],
+                            None, jnp.zeros(()))] * 2
+  assert float(transformer_lm.router_losses(model, uniform)[1]['moe/balance_loss']) == \
+      pytest.approx(K)
+
+
+def test_the_plan_and_flops_count_the_experts_a_token_meets(devices):
+  """The analytic FLOPs count k experts per token (not all E), so MFU is not inflated."""
+  del devices
+  dense = transformer_lm.TransformerLM(num_layers=2, d_model=D, num_heads=2, mlp_dim=2 * F,
+                                       vocab_size=128, max_len=8, mlp_activation='swiglu')
+  routed = dense.clone(num_experts=E, experts_per_token=K, expert_mlp_dim=F)
+  # k experts of F units do a dense MLP of k F units' work, plus the router's D x E.
+  want = transformer_lm.train_flops(dense, 4, 8) + 6 * 2 * D * E * 4 * 8
+  assert transformer_lm.train_flops(routed, 4, 8) == want
+
+
+@pytest.mark.parametrize('overrides,field', [
+    ({'model.experts_per_token': 9}, 'model.experts_per_token'),
+    ({'model.dense_layers': (0,), 'model.scan_layers': True}, 'model.dense_layers'),
+    ({'model.dense_layers': (5,)}, 'model.dense_layers'),
+    ({'model.grouped_matmul': 'cutlass'}, 'model.grouped_matmul'),
+    ({'model.expert_buffer': -1.0}, 'model.expert_buffer'),
+    ({'model.lora.rank': 4, 'model.lora.targets': ('query', 'wi_up')}, 'model.lora.targets'),
+    ({'logical_axis_rules': [('experts', 'expurt')]}, 'logical_axis_rules'),
+])
+def test_bad_settings_name_their_field(overrides, field):
+  with pytest.raises(cfg.ConfigError, match=re.escape(field)):
+    cfg.validate(load_config('moe_lm', **overrides), 8)
+
+
+def _losses(workdir):
+  return {r['step']: r['train/loss'] for r in read_metrics(workdir) if 'train/loss' in r}
+
+
+def test_moe_lm_resumes_bit_exactly_and_on_another_mesh(tmp_path, monkeypatch, devices):
+  """moe_lm on an expert axis of 4, stopped (as by SIGTERM) during step 3 and resumed:
+  every logged loss equals a straight run's exactly; resumed instead on a mesh without an
+  expert axis (4, 2), it trains on within float32 rounding. Each row logs the router's
+  figures."""
+  del devices
+  from zoo.run import train  # pylint: disable=import-outside-toplevel
+  base = {'train.steps': 6, 'train.log_every_steps': 1, 'eval.every_steps': 6,
+          'checkpoint.every_steps': 6, 'checkpoint.async_save': False}
+  train.train_and_evaluate(load_config('moe_lm', 'smoke,ep', **base), str(tmp_path / 'straight'))
+  stop_at(monkeypatch, 3)
+  for name in ('resumed', 'moved'):
+    train.train_and_evaluate(load_config('moe_lm', 'smoke,ep', **base), str(tmp_path / name))
+  monkeypatch.undo()
+  train.train_and_evaluate(load_config('moe_lm', 'smoke,ep', **base), str(tmp_path / 'resumed'))
+  straight = _losses(tmp_path / 'straight')
+  assert _losses(tmp_path / 'resumed') == straight and sorted(straight) == list(range(1, 7))
+  train.train_and_evaluate(load_config('moe_lm', 'smoke', **base, **{'mesh.shape': (4, 2)}),
+                           str(tmp_path / 'moved'))
+  moved = _losses(tmp_path / 'moved')
+  np.testing.assert_allclose([moved[s] for s in range(4, 7)], [straight[s] for s in range(4, 7)],
+                             rtol=2e-5)
+  row = [r for r in read_metrics(tmp_path / 'straight') if 'train/loss' in r][-1]
+  for key in ('balance_loss', 'z_loss', 'dropped', 'layer_1/load_max', 'layer_1/load_min',
+              'layer_1/entropy', 'layer_1/dropped'):
+    assert np.isfinite(row[f'train/moe/{key}']), key
+  assert row['train/moe/dropped'] == 0.0 and row['train/moe/layer_0/load_max'] >= 1.0
+
+
+@needs_libtpu
+def test_a_tpu_compiles_megablox_and_ragged_all_to_all(devices):
+  """On v5p-8 (compile-only) with an expert axis of 4: the step's grouped matmuls are
+  Megablox's kernels (gmm, and tgmm for the weights' gradient: no dense convolution), and
+  the rows travel by ragged all-to-all."""
+  del devices
+  tpu = topology.devices(topology.parse('v5p-8'))
+  mesh = mesh_lib.make_mesh((1, 4, 1), ('batch', 'expert', 'model'), tpu)
+  rules = sharding.for_mesh(sharding.expert_rules(sharding.fsdp_rules()), mesh.axis_names)
+  block = moe.MoeBlock(moe.Moe(16, 2, 256), dtype='bfloat16')
+  x = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
+  boxed = jax.eval_shape(lambda x: block.init(jax.random.key(0), x), x)
+  plain = jax.tree.map(lambda p: p.value, boxed, is_leaf=lambda p: isinstance(p, nn.Partitioned))
+  with sharding.scope(mesh, rules):
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          plain, shardings)
+    x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(('batch', 'expert'))))
+    loss = lambda p, x: jnp.sum(block.apply(p, x)[0].astype(jnp.float32) ** 2)
+    text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+  kernels = re.findall(r'custom_call_target="tpu_custom_call".{0,400}?\b(t?gmm)\b', text)
+  assert kernels.count('gmm') >= 3 and kernels.count('tgmm') >= 3, kernels
+  assert text.count('ragged-all-to-all(') >= 2
