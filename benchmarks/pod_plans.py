@@ -22,6 +22,8 @@ Three tables (and pod_plans.json):
 - vocab: the same Llama-2-7B shapes with splash at vocabularies of 32,000 and 128,256, the
   loss computed in chunks of the sequence (model.loss_chunks, auto): the largest batch per
   chip on v5p-64 at 8,192 tokens and v5litepod-256 at 2,048 (`--only=vocab`).
+- moe: Qwen3-30B-A3B shapes (routed experts) on v5p-64 at 2,048 tokens: the largest batch
+  per chip with FSDP and with an expert axis, against MaxText's (`--only=moe`).
 """
 import argparse
 import json
@@ -39,6 +41,14 @@ LLAMA3_8B = dict(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, mlp_
 LLAMA2_7B = dict(num_layers=32, d_model=4096, num_heads=32, mlp_dim=11008, vocab_size=32000,
                  positions='rotary', norm='rms', norm_epsilon=1e-5, mlp_activation='swiglu',
                  remat='full', scan_layers=True)
+# Issue #36's target, as MaxText 0.2.4's train_compile measured it with this libtpu: 48
+# layers, 32 query / 4 key-value heads of 128, q/k norms, 128 experts (top 8) of 768 units,
+# a 151,936-token vocabulary; full remat, scanned layers, splash, bf16 compute.
+QWEN3_30B_A3B = dict(num_layers=48, d_model=2048, num_heads=32, num_kv_heads=4, head_dim=128,
+                     qk_norm=True, mlp_dim=6144, num_experts=128, experts_per_token=8,
+                     expert_mlp_dim=768, norm_topk_prob=True, vocab_size=151936,
+                     positions='rotary', rope_theta=1e6, norm='rms', mlp_activation='swiglu',
+                     remat='full', scan_layers=True, attention='splash', dtype='bfloat16')
 MODELS = {'100m': ('100m', {}), '1b': ('1b', {}), 'llama3-8b': ('1b', LLAMA3_8B)}
 TARGETS = [('v5litepod-256', 1), ('v5p-64', 1), ('v5p-256', 1), ('v6e-256', 1),
            ('v5litepod-256', 2)]
@@ -192,6 +202,37 @@ def vocab(out):
     out.setdefault('vocab', []).append(row)
 
 
+def moe(out):
+  """Qwen3-30B-A3B shapes on v5p-64 at 2,048 tokens (moe_lm's rules: expert_rules(fsdp)):
+  the largest batch per chip with FSDP over the 32 chips, and with an expert axis of 8 x
+  FSDP 4, dropless (the worst-case receive buffer) and with a buffer of 2 x the rows sent
+  (drops counted at run time); the train step's compile time at one sequence per chip.
+  MaxText 0.2.4 (its train_compile, this libtpu): 53 with FSDP, 16 with expert parallelism
+  8 x FSDP 4, its compile 48 s at batch 1."""
+  from zoo.run import plan  # pylint: disable=import-outside-toplevel
+  from zoo.parallel import topology
+  from zoo.run.config import load_experiment  # pylint: disable=import-outside-toplevel
+  target = topology.parse('v5p-64')
+  rows = [('FSDP 32', (-1, 1), 0.0, 53), ('expert 8 x FSDP 4', (4, 8, 1), 2.0, 53),
+          ('expert 8 x FSDP 4, dropless', (4, 8, 1), 0.0, 16)]
+  for name, shape, buffer, maxtext_batch in rows:
+    c = load_experiment(os.path.join(REPO, 'experiments', 'moe_lm.py'),
+                        'ep' if len(shape) == 3 else None)
+    c.model.update({**QWEN3_30B_A3B, 'max_len': 2048, 'expert_buffer': buffer})
+    c.mesh.shape = shape
+    c.data.seq_len, c.eval.batch_size = 2048, target.chips
+    c.train.batch_size = target.chips
+    compiled = plan.make_plan(c, target=target)
+    c.train.batch_size = target.chips * maxtext_batch  # The search starts at MaxText's.
+    found = plan.max_batch(c, target=target)
+    row = {'target': 'v5p-64', 'seq': 2048, 'mesh': name, 'expert_buffer': buffer,
+           'zoo_batch_per_chip': found['batch_per_device'], 'maxtext_batch_per_chip': maxtext_batch,
+           'peak_gib': round((found['peak'] or 0) / 2**30, 2), 'compiles': found['compiles'],
+           'search_s': round(found['seconds']), 'other_refusals': found['other_refusals'],
+           'compile_batch_1_s': round(compiled['compile_s'], 1), 'maxtext_compile_batch_1_s': 48}
+    _save_row(out, 'moe', row)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--only', default='plans,cpu,maxtext')
@@ -212,11 +253,11 @@ def main():
   for section in args.only.split(','):
     if not args.resume:
       out.pop(section, None)
-    {'plans': plans, 'cpu': cpu, 'maxtext': maxtext, 'vocab': vocab}[section](out)
+    {'plans': plans, 'cpu': cpu, 'maxtext': maxtext, 'vocab': vocab, 'moe': moe}[section](out)
     with open(args.json, 'w', encoding='utf-8') as f:
       json.dump({k: v for k, v in out.items() if k != '_path'}, f, indent=2)
   import tables  # pylint: disable=import-outside-toplevel  # benchmarks/tables.py
-  for section in ('plans', 'cpu', 'maxtext', 'vocab'):
+  for section in ('plans', 'cpu', 'maxtext', 'vocab', 'moe'):
     if out.get(section):
       tables.print_rows(section, out[section])
 

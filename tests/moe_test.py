@@ -273,3 +273,27 @@ def test_a_tpu_compiles_megablox_and_ragged_all_to_all(devices):
   kernels = re.findall(r'custom_call_target="tpu_custom_call".{0,400}?\b(t?gmm)\b', text)
   assert kernels.count('gmm') >= 3 and kernels.count('tgmm') >= 3, kernels
   assert text.count('ragged-all-to-all(') >= 2
+
+
+@needs_libtpu
+@pytest.mark.parametrize('name,shape,batch_alone_fails', [('v5p-64', (4, 8, 1), True),
+                                                          ('v5litepod-256', (8, 32, 1), False)])
+def test_an_expert_axis_on_a_pod_gives_every_process_one_block_of_rows(name, shape,
+                                                                       batch_alone_fails):
+  """The batch splits over ('batch', 'expert'): zoo's mesh sorts those positions together
+  by process, so each host still feeds one block of rows, in process order (sorting the
+  'batch' axis alone, as before, left v5p-64's hosts non-contiguous rows and no start)."""
+  from zoo.data import feed  # pylint: disable=import-outside-toplevel
+  devices = topology.devices(topology.parse(name))
+  axes = ('batch', 'expert', 'model')
+  spec = jax.sharding.PartitionSpec(('batch', 'expert'))
+  mesh = mesh_lib.make_mesh(shape, axes, devices, batch_axes=('batch', 'expert'))
+  batch = 2 * len(devices)
+  rows = feed.rows_by_process(jax.sharding.NamedSharding(mesh, spec), batch)
+  processes = sorted({d.process_index for d in devices})
+  assert sorted(rows) == processes
+  assert [rows[p].start for p in processes] == sorted(rows[p].start for p in processes)
+  if batch_alone_fails:
+    with pytest.raises(cfg.ConfigError, match='non-contiguous rows'):
+      feed.rows_by_process(jax.sharding.NamedSharding(
+          mesh_lib.make_mesh(shape, axes, devices), spec), batch)

@@ -81,9 +81,12 @@ def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple:
 
 
 def make_mesh(shape: Sequence[int], axes: Sequence[str], devices: Optional[Sequence] = None,
-              dcn_shape: Sequence[int] = ()) -> jax.sharding.Mesh:
+              dcn_shape: Sequence[int] = (), batch_axes: Sequence[str] = ('batch',)
+              ) -> jax.sharding.Mesh:
   """A mesh over `devices` (default: all global devices) with Auto axis types, in physical
-  order with each process's 'batch' positions together (see the module docstring).
+  order with each process's positions along `batch_axes` (the mesh axes the batch splits
+  over, in the rules' order: with expert parallelism 'batch' and 'expert') together (see
+  the module docstring).
 
   Linen's sharding annotations need Auto axes: jax.make_mesh defaults to Explicit, under
   which the embedding lookup fails to trace. `dcn_shape[i]` slices go along axis i; on
@@ -110,14 +113,19 @@ def make_mesh(shape: Sequence[int], axes: Sequence[str], devices: Optional[Seque
     ici = tuple(s // d for s, d in zip(shape, dcn))
     layout = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=by_process,
                                                   allow_split_physical_axes=True)
-  batch = list(axes).index('batch') if 'batch' in axes else 0
+  batch = [list(axes).index(a) for a in batch_axes if a in axes] or [0]
   return jax.sharding.Mesh(batch_by_process(layout, batch), tuple(axes), axis_types=axis_types)
 
 
-def batch_by_process(layout: np.ndarray, batch_axis: int) -> np.ndarray:
-  """`layout` with its positions along `batch_axis` sorted by the lowest process index (then
-  device id) that each holds: the same groups of devices, each process's positions together
-  wherever the layout allows it."""
-  slabs = np.moveaxis(layout, batch_axis, 0)
+def batch_by_process(layout: np.ndarray, batch_axes: Sequence[int]) -> np.ndarray:
+  """`layout` with its positions along `batch_axes` (taken together, row-major in that
+  order, as a batch split over them is) sorted by the lowest process index (then device id)
+  that each holds: along one axis the same groups of devices, each process's positions
+  together wherever the layout allows it; along several, each process's rows together at
+  the price of regrouping the devices along those axes."""
+  lead = list(range(len(batch_axes)))
+  moved = np.moveaxis(layout, batch_axes, lead)
+  slabs = moved.reshape((-1,) + moved.shape[len(lead):])
   key = lambda i: (min(d.process_index for d in slabs[i].flat), min(d.id for d in slabs[i].flat))
-  return np.moveaxis(slabs[sorted(range(len(slabs)), key=key)], 0, batch_axis)
+  slabs = slabs[sorted(range(len(slabs)), key=key)]
+  return np.moveaxis(slabs.reshape(moved.shape), lead, batch_axes)

@@ -90,6 +90,30 @@ def _loss_held(setup: setup_lib.Setup) -> Optional[dict]:
           'bytes': 4 * rows * (length // chunks) * (vocab // vocab_shards)}
 
 
+def _experts_held(setup: setup_lib.Setup) -> Optional[dict]:
+  """A model with routed experts: its routing, the experts each device holds, the rows it
+  routes per layer, and under expert parallelism the receive buffer's rows and bytes
+  (zoo.models.moe)."""
+  model = setup.model
+  if not getattr(model, 'num_experts', 0):
+    return None
+  expert_axes = sharding.mesh_axes_of(next((a for n, a in setup.rules if n == 'experts'), None))
+  parallel = math.prod(setup.mesh.shape[a] for a in expert_axes)
+  batch, length = setup.batch['inputs'].shape
+  rows = (setup.batch_sharding.shard_shape((batch,))[0] // setup.config.train.microbatches
+          * length * model.experts_per_token)
+  buffer = None
+  if parallel > 1 and not model.capacity_factor:
+    buffer = (math.ceil(model.expert_buffer * rows) if model.expert_buffer else parallel * rows)
+  width = 2 if model.dtype == 'bfloat16' else 4
+  return {'layers': len(model.routed_layers()), 'experts': model.num_experts,
+          'per_token': model.experts_per_token, 'expert_axes': list(expert_axes),
+          'per_device': model.num_experts // parallel, 'rows': rows,
+          'capacity_factor': model.capacity_factor, 'expert_buffer': model.expert_buffer,
+          'buffer_rows': buffer,
+          'buffer_bytes': buffer * model.d_model * width if buffer else None}
+
+
 def _usable(target: Optional[topology.Target], device) -> tuple[Optional[int], str]:
   """(bytes a device may use, where the figure comes from): the target's, or where the plan
   runs on this machine's accelerators, what their runtime lets JAX use; (None, '') on CPU."""
@@ -139,7 +163,7 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
                 'rows': {p: [r.start, r.stop] for p, r in rows.items()}},
       'params': setup.param_table(), 'bytes_per_device': held,
       'attention': {'requested': config.model.get('attention'), 'layers': chosen},
-      'loss': _loss_held(setup),
+      'loss': _loss_held(setup), 'experts': _experts_held(setup),
       'compiled_memory': train.memory, 'eval_memory': evaluate.memory,
       'device_memory_bytes': budget, 'usable_bytes': usable, 'usable_source': usable_source,
       'fits': fits,
@@ -195,6 +219,30 @@ def _loss_lines(p: dict) -> list[str]:
           f'live at a time: {_mib(held["bytes"])} per device (float32; model.loss_chunks)']
 
 
+def _experts_lines(p: dict) -> list[str]:
+  held = p.get('experts')
+  if not held:
+    return []
+  where = (f'{held["per_device"]} per device over mesh axes {tuple(held["expert_axes"])}'
+           if held['expert_axes'] else 'all on every device')
+  lines = [f'routed experts: {held["layers"]} layers of {held["experts"]} experts, '
+           f'{held["per_token"]} per token ({where}); {held["rows"]:,} rows routed per device '
+           f'and layer']
+  if held['capacity_factor']:
+    lines.append(f'  capacity factor {held["capacity_factor"]}: rows past an expert\'s '
+                 'capacity are dropped, counted in train/moe/dropped')
+  elif held['buffer_rows']:
+    size = (f'{held["expert_buffer"]} x the rows sent' if held['expert_buffer'] else
+            'the worst case, dropless')
+    lines.append(f'  receive buffer {held["buffer_rows"]:,} rows ({size}): '
+                 f'{_mib(held["buffer_bytes"])} per device'
+                 + ('; rows past it are dropped, counted in train/moe/dropped'
+                    if held['expert_buffer'] else ''))
+  else:
+    lines.append('  dropless: every row reaches its expert')
+  return lines
+
+
 def _attention_lines(p: dict) -> list[str]:
   """Which implementation each attention layer runs (layers under nn.scan are one path)."""
   chosen = p['attention']['layers']
@@ -235,7 +283,7 @@ def format_plan(p: dict) -> str:
               f'{p["eval_compile_s"]:.1f} s')
   lines = [f'mesh {p["mesh"]} on {p["devices"]} {p["platform"]} devices{on}; {compiled}', '',
            sharding.format_param_table(p['params']), '', *_hosts(p),
-           *_attention_lines(p), *_loss_lines(p), 'per device:']
+           *_attention_lines(p), *_loss_lines(p), *_experts_lines(p), 'per device:']
   held = p['bytes_per_device']
   for key, label in (('params', 'parameters'), ('optimizer', 'optimizer state'),
                      ('optimizer_full_fine_tune', '  (a full fine-tune\'s)'),

@@ -115,11 +115,12 @@ def build(config: ml_collections.ConfigDict, dataset: Dataset,
           devices: Optional[list] = None) -> Setup:
   """The Setup of `config` on its mesh over `devices` (default: all; or on `mesh`, under
   `rules`); checks nothing."""
+  rules = sharding.for_mesh(config.logical_axis_rules if rules is None else rules,
+                            config.mesh.axes if mesh is None else mesh.axis_names)
   if mesh is None:
     mesh = mesh_lib.make_mesh(config.mesh.shape, config.mesh.axes, devices,
-                              dcn_shape=config.mesh.dcn_shape)
-  rules = sharding.for_mesh(config.logical_axis_rules if rules is None else rules,
-                            mesh.axis_names)
+                              dcn_shape=config.mesh.dcn_shape,
+                              batch_axes=sharding.batch_mesh_axes(rules))
   family = models.MODELS[config.model.name]
   task = tasks.TASKS[family.task]
   model = models.build(config.model, **dataset.model_fields)
