@@ -20,6 +20,8 @@ from zoo.parallel import sharding, topology
 from zoo.run import config as cfg
 
 needs_libtpu = pytest.mark.skipif(not importlib.util.find_spec('libtpu'), reason='needs libtpu')
+needs_cuda = pytest.mark.skipif(not importlib.util.find_spec('jax_cuda12_plugin'),
+                                reason="needs JAX's CUDA plugin ('.[cuda12]')")
 E, K, D, F = 8, 2, 16, 16
 # (mesh axes, shape, rules): data, tensor and FSDP meshes, and expert parallelism 4 ways
 # (with FSDP; with the experts' hidden units split over 'model').
@@ -297,3 +299,38 @@ def test_an_expert_axis_on_a_pod_gives_every_process_one_block_of_rows(name, sha
     with pytest.raises(cfg.ConfigError, match='non-contiguous rows'):
       feed.rows_by_process(jax.sharding.NamedSharding(
           mesh_lib.make_mesh(shape, axes, devices), spec), batch)
+
+
+@needs_cuda
+def test_a_gpu_compiles_mosaic_gpu_grouped_matmuls(monkeypatch):
+  """On an H100 (compile-only) the experts' matmuls, forward and backward, are Mosaic GPU
+  kernels (ragged dot, and the transposed ragged dot for the weights' gradient), not
+  XLA's ragged_dot, which lowers to a dense masked dot there."""
+  gpu = topology.devices(topology.parse('h100-1'))
+  # The transposed kernel reads the SM count from jax.devices() as it traces.
+  monkeypatch.setattr(jax, 'devices', lambda *args: gpu)
+  mesh = mesh_lib.make_mesh((1, 1), ('batch', 'model'), gpu)
+  block = moe.MoeBlock(moe.Moe(8, 2, 256), dtype='bfloat16')
+  x = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
+  boxed = jax.eval_shape(lambda x: block.init(jax.random.key(0), x), x)
+  params = jax.tree.map(lambda p: p.value, boxed, is_leaf=lambda p: isinstance(p, nn.Partitioned))
+  with sharding.scope(mesh, sharding.standard_rules()):
+    loss = lambda p, x: jnp.sum(block.apply(p, x)[0].astype(jnp.float32) ** 2)
+    text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+  # Forward: gate, up, down; backward: the down projection's rows, and three weights'.
+  assert len(re.findall(r'custom_call_target="mosaic_gpu', text)) >= 7
+
+
+def test_the_plan_shows_the_experts_and_their_receive_buffer(devices):
+  """--dry_run of moe_lm on an expert axis of 4: 2 experts per device, the rows each device
+  routes, and a bounded receive buffer's rows, bytes and what happens past it."""
+  del devices
+  from zoo.run import plan  # pylint: disable=import-outside-toplevel
+  config = load_config('moe_lm', 'smoke,ep', **{'model.expert_buffer': 2.0})
+  text = plan.format_plan(plan.make_plan(config))
+  rows = 16 // 8 * 32 * 2  # Each device's 2 of 16 rows (batch 2 x expert 4), 32 tokens, top 2.
+  assert (f"8 experts, 2 per token (2 per device over mesh axes ('expert',)); {rows:,} rows "
+          'routed per device') in text, text
+  assert (f'receive buffer {2 * rows:,} rows (2.0 x the rows sent): '
+          f'{2 * rows * 64 * 4 / 2**20:.2f} MiB per device; rows past it are dropped, counted '
+          'in train/moe/dropped') in text, text
