@@ -48,6 +48,8 @@ from zoo.models.layers import param, platform
 from zoo.parallel.sharding import mesh_axes_of
 
 GROUPED_MATMULS = ('auto', 'ragged_dot', 'megablox', 'mosaic_gpu')
+# Platforms whose XLA has ragged_all_to_all (XLA:CPU does not: jax #34755).
+RAGGED_ALL_TO_ALL = ('tpu', 'gpu')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,7 +382,7 @@ def _experts(x_BLD, ids_BLK, gates_BLK, w, m: Moe, activation: str, dtype) -> tu
   mlp_axes = mesh_axes_of(logical('mlp')[0]) if not mesh.empty else ()
   parallel = math.prod(mesh.shape[a] for a in expert_axes) if expert_axes else 1
   plan = _Plan(m.num_experts, expert_axes, parallel, m.capacity_factor, m.buffer,
-               ragged=platform() in ('tpu', 'gpu'), activation=activation,
+               ragged=platform() in RAGGED_ALL_TO_ALL, activation=activation,
                method=m.grouped_matmul, dtype=dtype)
   k = ids_BLK.shape[-1]
 
