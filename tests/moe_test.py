@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import load_config, read_metrics, stop_at
+from conftest import experiment, load_config, read_metrics, stop_at
 from zoo.models import moe, transformer_lm
 from zoo.parallel import mesh as mesh_lib
 from zoo.parallel import sharding, topology
@@ -395,3 +395,21 @@ def test_the_ragged_exchange_of_tpus_and_gpus_equals_the_reference(buffer, monke
   assert float(stats['dropped']) == pytest.approx((~kept).mean())
   _assert_close(grad(params, x), jax.grad(lambda p, x: jnp.sum(_reference(p, x, kept) ** 2),
                                           argnums=(0, 1))(params, x), 'grad')
+
+
+def test_experts_split_over_two_processes_train_as_one_process(tmp_path, devices):
+  """2 processes x 4 devices, an expert axis of 8 spanning both (each device one expert,
+  rows crossing processes by all-to-all): the same losses as one process of 8 devices."""
+  del devices
+  from multihost_test import launch  # pylint: disable=import-outside-toplevel
+  from zoo.run import train  # pylint: disable=import-outside-toplevel
+  settings = {'train.steps': 4, 'train.log_every_steps': 1, 'eval.every_steps': 4,
+              'checkpoint.every_steps': 4, 'mesh.shape': (1, 8, 1)}
+  train.train_and_evaluate(load_config('moe_lm', 'smoke,ep', **settings), str(tmp_path / 'one'))
+  result = launch(f'--config={experiment("moe_lm")}:smoke,ep', f'--workdir={tmp_path / "two"}',
+                  *(f'--config.{k}={v}' for k, v in settings.items()))
+  assert result.returncode == 0, result.stdout[-3000:]
+  one, two = _losses(tmp_path / 'one'), _losses(tmp_path / 'two')
+  assert sorted(two) == [1, 2, 3, 4]
+  np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(two)],
+                             rtol=2e-5)
