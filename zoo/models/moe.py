@@ -36,10 +36,11 @@ Shapes: B batch, L length, D d_model, E experts, K experts per token, F expert h
 units, T a device's tokens, N its routed rows (T x K), P expert-parallel devices.
 """
 import dataclasses
-import functools
 import math
+import re
 from typing import Any, Optional
 
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -65,18 +66,38 @@ class Moe:
   grouped_matmul: str = 'auto'
 
 
-def grouped_matmul_for(method: str) -> str:
-  """'auto' resolved for the platform being traced for."""
+_SAID: set = set()  # The reasons logged for not running the GPU kernel.
+
+
+def grouped_matmul_for(method: str, d: int, f: int, dtype: Any) -> str:
+  """'auto' resolved for the platform being traced for and a [D] x [D, F] product: Megablox
+  on TPU; on NVIDIA GPUs the Mosaic GPU kernel where it runs (Hopper, bf16 or fp16, sizes
+  in multiples of 128), else ragged_dot, said once per reason; ragged_dot elsewhere."""
   if method != 'auto':
     return method
-  return {'tpu': 'megablox', 'gpu': 'mosaic_gpu'}.get(platform(), 'ragged_dot')
+  where = platform()
+  if where != 'gpu':
+    return 'megablox' if where == 'tpu' else 'ragged_dot'
+  device = getattr(jax.sharding.get_abstract_mesh(), 'abstract_device', None) or jax.devices()[0]
+  why = ('not a Hopper GPU' if not re.search(r'H(100|200|800|20)\b', device.device_kind) else
+         f'{jnp.dtype(dtype).name} (it takes bfloat16 or float16)'
+         if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) else
+         f'a {d} x {f} product (it takes multiples of 128)' if d % 128 or f % 128 else '')
+  if not why:
+    return 'mosaic_gpu'
+  if why not in _SAID:
+    _SAID.add(why)
+    logging.warning("model.grouped_matmul='auto' on %s: Mosaic GPU's grouped matmul cannot "
+                    'take %s; jax.lax.ragged_dot runs instead (a dense masked dot over every '
+                    'expert on GPUs: slow)', device.device_kind, why)
+  return 'ragged_dot'
 
 
 def grouped_matmul(rows_ND: jax.Array, w_GDF: jax.Array, sizes_G: jax.Array, method: str,
                    dtype: Any) -> jax.Array:
   """rows [N, D] times the weight of their group [G, D, F] -> [N, F], the rows sorted by
   group with sizes_G of each; rows after the last group come out as zeros."""
-  method = grouped_matmul_for(method)
+  method = grouped_matmul_for(method, rows_ND.shape[1], w_GDF.shape[2], dtype)
   sizes_G = sizes_G.astype(jnp.int32)
   if method == 'ragged_dot':
     return jax.lax.ragged_dot(rows_ND, w_GDF, sizes_G,
