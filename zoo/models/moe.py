@@ -172,29 +172,28 @@ def route(logits_TE: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array
   return gates, ids
 
 
-def _mlp(rows_ND, sizes_G, w, activation, method, dtype):
-  """The experts' MLPs on rows sorted by expert (grouped matmuls)."""
+def _expert_mlps(x, w, activation, matmul):
+  """The experts' MLPs (gated or not) by `matmul(x, kernel)`: grouped over rows sorted by
+  expert, or batched over per-expert blocks."""
   if 'wi_gate' in w:
-    gate = grouped_matmul(rows_ND, w['wi_gate'], sizes_G, method, dtype)
+    gate = matmul(x, w['wi_gate'])
     gate = nn.silu(gate) if activation == 'swiglu' else nn.gelu(gate, approximate=True)
-    h = gate * grouped_matmul(rows_ND, w['wi_up'], sizes_G, method, dtype)
+    h = gate * matmul(x, w['wi_up'])
   else:
-    h = nn.gelu(grouped_matmul(rows_ND, w['wi'], sizes_G, method, dtype),
-                approximate=activation == 'gelu')
-  return grouped_matmul(h, w['wo'], sizes_G, method, dtype)
+    h = nn.gelu(matmul(x, w['wi']), approximate=activation == 'gelu')
+  return matmul(h, w['wo'])
+
+
+def _mlp(rows_ND, sizes_G, w, activation, method, dtype):
+  """The experts' MLPs on rows sorted by expert, `sizes_G` of each (grouped matmuls)."""
+  return _expert_mlps(rows_ND, w, activation,
+                      lambda x, k: grouped_matmul(x, k, sizes_G, method, dtype))
 
 
 def _dense_mlp(x_GCD, w, activation, dtype):
   """The experts' MLPs on per-expert blocks [G, C, D] (batched matmuls)."""
-  mm = lambda x, k: jnp.einsum('GCD,GDF->GCF', x, k, preferred_element_type=jnp.float32
-                               ).astype(dtype)
-  if 'wi_gate' in w:
-    gate = mm(x_GCD, w['wi_gate'])
-    gate = nn.silu(gate) if activation == 'swiglu' else nn.gelu(gate, approximate=True)
-    h = gate * mm(x_GCD, w['wi_up'])
-  else:
-    h = nn.gelu(mm(x_GCD, w['wi']), approximate=activation == 'gelu')
-  return mm(h, w['wo'])
+  return _expert_mlps(x_GCD, w, activation, lambda x, k: jnp.einsum(
+      'GCD,GDF->GCF', x, k, preferred_element_type=jnp.float32).astype(dtype))
 
 
 @dataclasses.dataclass(frozen=True)
