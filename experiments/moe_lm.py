@@ -7,7 +7,10 @@ dropless (zoo.models.moe), SwiGLU experts of 128 units on a 128-wide, 4-layer ro
 decoder; the load-balance loss at 0.01 and the router z-loss at 0.001. Each logged row of
 metrics.jsonl and TensorBoard has `train/moe/...`: the two router losses, and per layer the
 busiest and idlest expert's share of the routed rows (`load_max`, `load_min`; 1 is even),
-the router's entropy and the fraction of rows dropped. `:smoke`: seconds.
+the router's entropy and the fraction of rows dropped. Expect 1.87 held-out bits per
+character after 600 steps (char_lm's dense decoder: 2.22), in about 23 minutes on a busy
+2-core CPU (ragged_dot runs a dense masked product over all 8 experts there). `:smoke`:
+seconds, ~4 bits/char.
 
 Expert parallelism: `:ep` (or `:smoke,ep`) adds an 'expert' mesh axis that splits the
 experts (and, like 'batch', the batch): mesh (-1, 4, 1) over ('batch', 'expert', 'model'),
