@@ -61,6 +61,36 @@ def tiny_gpt2(directory):
   return str(directory)
 
 
+def saved_hf_models(models, root):
+  """{name: (directory, torch module)}: each (class, config) of `models` built with torch's
+  seed 0 and saved by save_pretrained under `root`, with zoo's bytes tokenizer for text."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  out = {}
+  for name, (cls, config) in models.items():
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    model.save_pretrained(root / name)
+    if getattr(config, 'vocab_size', None):
+      tokenizer_lib.bytes_tokenizer().save(str(root / name / 'tokenizer.json'))
+    out[name] = (str(root / name), model)
+  return out
+
+
+def cat_sat_tokens(tokenizer_dir, tmp_path):
+  """A small prepared token dataset (40 repetitive lines) in the tokenizer of
+  `tokenizer_dir` (an imported workdir): what fine-tuning tests train on."""
+  docs = tmp_path / 'docs.jsonl'
+  docs.write_text(''.join(json.dumps({'text': f'line {i}: the cat sat on the mat. ' * 4}) + '\n'
+                          for i in range(40)))
+  result = subprocess.run([sys.executable, '-m', 'zoo.prepare', 'text', f'--input={docs}',
+                           f'--output={tmp_path / "ft_data"}', '--val_fraction=0.2',
+                           f'--tokenizer={tokenizer_dir}/tokenizer.json'], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return str(tmp_path / 'ft_data')
+
+
 def read_metrics(workdir):
   with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
     return [json.loads(line) for line in f]

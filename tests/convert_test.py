@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, cli_env, stop_at
+from conftest import REPO, cat_sat_tokens, cli_env, saved_hf_models, stop_at
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.errors import ConfigError
 from zoo.hf import transfer
@@ -51,16 +51,7 @@ def _hf_models():
 @pytest.fixture(scope='module')
 def hf_dirs(tmp_path_factory):
   """Each tiny model saved with save_pretrained, and its torch module."""
-  root = tmp_path_factory.mktemp('hf')
-  out = {}
-  for name, (cls, config) in _hf_models().items():
-    torch.manual_seed(0)
-    model = cls(config).eval()
-    model.save_pretrained(root / name)
-    if name != 'vit':
-      tokenizer_lib.bytes_tokenizer().save(str(root / name / 'tokenizer.json'))
-    out[name] = (str(root / name), model)
-  return out
+  return saved_hf_models(_hf_models(), tmp_path_factory.mktemp('hf'))
 
 
 @pytest.fixture(scope='module')
@@ -252,7 +243,7 @@ def _broken(hf_dir, tmp_path, how):
     ('no_config', r'--hf_dir: .* has no config\.json'),
     ('no_weights', r'--hf_dir: .* has no model\.safetensors or model\.safetensors\.index\.json'),
     ('bert', r"--hf_dir: model_type 'bert' is not supported; supported: gemma, gemma2, "
-             r'gemma3_text, gpt2, llama, mistral, qwen2, qwen3, vit'),
+             r'gemma3_text, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, vit'),
     ('rope_scaling', r"--hf_dir: this llama model uses rope_type='yarn', which zoo does not "
                      r'implement'),
     ('missing', r'--hf_dir: the weights do not fit config\.json: missing tensors: '
@@ -279,8 +270,8 @@ def test_export_refuses_a_model_without_a_hf_layout(tmp_path, devices):
   train.train_and_evaluate(load_config('char_lm', **{'train.steps': 1, 'eval.max_batches': 1,
                                                      'checkpoint.async_save': False}), workdir)
   with pytest.raises(ConfigError, match=r'matches none of the layouts export writes \(gemma, '
-                                        r'gemma2, gemma3_text, gpt2, llama, mistral, qwen2, qwen3, '
-                                        r'vit'):
+                                        r'gemma2, gemma3_text, gpt2, llama, mistral, mixtral, '
+                                        r'qwen2, qwen2_moe, qwen3, qwen3_moe, vit'):
     transfer.export_model(workdir, str(tmp_path / 'out'))
   assert not (tmp_path / 'out').exists()
 
@@ -293,18 +284,11 @@ def test_fine_tuning_an_import_lowers_the_loss_and_resumes_exactly(hf_dirs, impo
   from zoo.run import config as cfg, train  # pylint: disable=import-outside-toplevel
   del devices
   workdir, _ = imported['gpt2']
-  docs = tmp_path / 'docs.jsonl'
-  docs.write_text(''.join(json.dumps({'text': f'line {i}: the cat sat on the mat. ' * 4}) + '\n'
-                          for i in range(40)))
-  result = subprocess.run([sys.executable, '-m', 'zoo.prepare', 'text', f'--input={docs}',
-                           f'--output={tmp_path / "ft_data"}', '--val_fraction=0.2',
-                           f'--tokenizer={workdir}/tokenizer.json'], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, check=False)
-  assert result.returncode == 0, result.stderr[-2000:]
+  data = cat_sat_tokens(workdir, tmp_path)
 
   def config():
     c = cfg.load_experiment(experiment('finetune_lm'), f'{workdir},smoke')
-    c.data.path, c.mesh.shape, c.train.log_every_steps = str(tmp_path / 'ft_data'), (4, 2), 1
+    c.data.path, c.mesh.shape, c.train.log_every_steps = data, (4, 2), 1
     return c
   train.train_and_evaluate(config(), str(tmp_path / 'straight'))
   rows = [r['train/loss'] for r in read_metrics(str(tmp_path / 'straight')) if 'train/loss' in r]

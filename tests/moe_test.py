@@ -206,8 +206,8 @@ def test_the_plan_and_flops_count_the_experts_a_token_meets(devices):
 
 @pytest.mark.parametrize('overrides,field', [
     ({'model.experts_per_token': 9}, 'model.experts_per_token'),
-    ({'model.dense_layers': (0,), 'model.scan_layers': True}, 'model.dense_layers'),
-    ({'model.dense_layers': (5,)}, 'model.dense_layers'),
+    ({'model.dense_layers': (0,), 'model.scan_layers': True}, 'model.scan_layers=False'),
+    ({'model.dense_layers': (5,)}, 'must list layers in [0, 2)'),
     ({'model.grouped_matmul': 'cutlass'}, 'model.grouped_matmul'),
     ({'model.expert_buffer': -1.0}, 'model.expert_buffer'),
     ({'model.lora.rank': 4, 'model.lora.targets': ('query', 'wi_up')}, 'model.lora.targets'),

@@ -24,7 +24,8 @@ from zoo.models import lora
 MODULES = {'query': 'self_attn.q_proj', 'key': 'self_attn.k_proj', 'value': 'self_attn.v_proj',
            'out': 'self_attn.o_proj', 'wi_gate': 'mlp.gate_proj', 'wi_up': 'mlp.up_proj',
            'wo': 'mlp.down_proj'}
-LAYOUTS = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3_text')
+LAYOUTS = ('llama', 'mistral', 'qwen2', 'qwen3', 'gemma', 'gemma2', 'gemma3_text', 'mixtral',
+           'qwen2_moe', 'qwen3_moe')  # Routed experts: adapters on attention only.
 _ADAPTER = re.compile(r'^block_(\d+)/(attn|mlp)/(\w+)' + lora.MARK + r'([ab])$')
 
 

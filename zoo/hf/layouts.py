@@ -31,6 +31,7 @@ class Tensor:
   zoo: tuple
   to_zoo: Callable[[np.ndarray], tuple]
   to_hf: Callable[..., np.ndarray]
+  expert: Optional[int] = None  # This tensor is that row of its zoo parameter [E, ...].
 
 
 def _same(name, shape, path):
@@ -254,15 +255,20 @@ def _layer_pattern(c: dict, window: Optional[int], model_type: str) -> dict:
   return {'sliding_window': int(window), 'global_every': every}
 
 
+# Routed-experts layouts: their dense namesake's attention, and experts for MLPs.
+MOE_BASES = {'mixtral': 'mistral', 'qwen2_moe': 'qwen2', 'qwen3_moe': 'qwen3'}
+
+
 def _decoder_from_hf(model_type: str):
   """config.json -> zoo fields, for a model type in Llama's layout."""
   gemma = model_type.startswith('gemma')
+  base = MOE_BASES.get(model_type, model_type)
 
   def from_hf(c):
     unsupported = {}
     if c.get('mlp_bias'):
       unsupported['mlp_bias'] = True
-    if c.get('attention_bias') and model_type not in ('qwen2',):
+    if c.get('attention_bias') and base not in ('qwen2',):
       unsupported['attention_bias'] = True
     if c.get('pretraining_tp', 1) != 1:
       unsupported['pretraining_tp'] = c.get('pretraining_tp')
@@ -273,7 +279,7 @@ def _decoder_from_hf(model_type: str):
       unsupported['hidden_act'] = act
     if c.get('use_bidirectional_attention'):
       unsupported['use_bidirectional_attention'] = True
-    if model_type in ('qwen2', 'qwen3') and c.get('use_sliding_window'):
+    if base in ('qwen2', 'qwen3') and c.get('use_sliding_window'):
       unsupported['use_sliding_window'] = True
     _refuse(unsupported, model_type)
     heads, d = c['num_attention_heads'], c['hidden_size']
@@ -286,7 +292,7 @@ def _decoder_from_hf(model_type: str):
         norm='rms_offset' if gemma else 'rms', norm_epsilon=c.get('rms_norm_eps', 1e-6),
         mlp_activation='geglu' if gemma else 'swiglu', use_bias=False,
         tie_embeddings=bool(c.get('tie_word_embeddings', gemma)),
-        qkv_bias=model_type == 'qwen2', qk_norm=model_type in ('qwen3', 'gemma3_text'),
+        qkv_bias=base == 'qwen2', qk_norm=base in ('qwen3', 'gemma3_text'),
         post_norms=model_type in ('gemma2', 'gemma3_text'), embed_scale=gemma)
     if model_type == 'gemma3_text':
       fields.update(_rope(c, model_type, 'full_attention'))
@@ -301,13 +307,38 @@ def _decoder_from_hf(model_type: str):
       fields['final_softcap'] = float(c.get('final_logit_softcapping') or 0.0)
     if model_type == 'gemma2':  # Gemma 3's attention ignores attn_logit_softcapping.
       fields['attn_softcap'] = float(c.get('attn_logit_softcapping') or 0.0)
-    window = c.get('sliding_window') if model_type in ('mistral', 'gemma2', 'gemma3_text') else None
+    window = c.get('sliding_window') if base in ('mistral', 'gemma2', 'gemma3_text') else None
     fields.update(_layer_pattern(c, window, model_type))
+    if model_type in MOE_BASES:
+      fields.update(_experts_from_hf(c, model_type))
     return fields
   return from_hf
 
 
-_HF_CLASS = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
+def _experts_from_hf(c: dict, model_type: str) -> dict:
+  """A routed-experts config's expert fields. Mixtral routes every layer, renormalising
+  the chosen gates; Qwen2/3-MoE route layer i where (i + 1) % decoder_sparse_step == 0 and i
+  is not in mlp_only_layers, renormalising only if norm_topk_prob, Qwen2-MoE adding a gated
+  shared expert. Published Qwen3-MoE files name the count num_experts, transformers 5's
+  saves num_local_experts."""
+  if c.get('router_jitter_noise'):
+    _refuse({'router_jitter_noise': c['router_jitter_noise']}, model_type)
+  experts = c.get('num_experts') or c.get('num_local_experts')
+  fields = dict(num_experts=experts, experts_per_token=c['num_experts_per_tok'],
+                router_aux_coef=float(c.get('router_aux_loss_coef', 0.001)), router_z_coef=0.0)
+  if model_type == 'mixtral':
+    return {**fields, 'expert_mlp_dim': c['intermediate_size'], 'norm_topk_prob': True}
+  step, only = c.get('decoder_sparse_step', 1) or 1, set(c.get('mlp_only_layers') or ())
+  dense = [i for i in range(c['num_hidden_layers']) if i in only or (i + 1) % step]
+  return {**fields, 'expert_mlp_dim': c['moe_intermediate_size'], 'dense_layers': dense,
+          'norm_topk_prob': bool(c.get('norm_topk_prob', False)),
+          'shared_expert_dim': c.get('shared_expert_intermediate_size', 0)
+          if model_type == 'qwen2_moe' else 0}
+
+
+_HF_CLASS = {'mixtral': 'MixtralForCausalLM', 'qwen2_moe': 'Qwen2MoeForCausalLM',
+             'qwen3_moe': 'Qwen3MoeForCausalLM',
+             'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
              'qwen2': 'Qwen2ForCausalLM', 'qwen3': 'Qwen3ForCausalLM', 'gemma': 'GemmaForCausalLM',
              'gemma2': 'Gemma2ForCausalLM', 'gemma3_text': 'Gemma3ForCausalLM'}
 
@@ -315,6 +346,7 @@ _HF_CLASS = {'llama': 'LlamaForCausalLM', 'mistral': 'MistralForCausalLM',
 def _decoder_to_hf(model_type: str):
   """zoo fields -> config.json, for a model type in Llama's layout."""
   gemma = model_type.startswith('gemma')
+  base = MOE_BASES.get(model_type, model_type)
 
   def to_hf(m):
     heads = m['num_heads']
@@ -329,32 +361,78 @@ def _decoder_to_hf(model_type: str):
       c['hidden_activation'] = 'gelu_pytorch_tanh'
     else:
       c.update(hidden_act='silu', mlp_bias=False)
-    if model_type in ('llama', 'qwen3'):
+    if base in ('llama', 'qwen3'):
       c['attention_bias'] = False
     if model_type == 'gemma3_text':
       c['rope_parameters'] = {'full_attention': _rope_to_hf(m),
                               'sliding_attention': _rope_to_hf(m, local=True)}
-    elif m.get('rope_scaling', 'none') != 'none' or model_type != 'llama':
+    elif m.get('rope_scaling', 'none') != 'none' or base != 'llama':
       c['rope_parameters'] = _rope_to_hf(m)
     else:
       c['rope_theta'] = m['rope_theta']
-    if model_type in ('qwen2', 'qwen3'):
+    if base in ('qwen2', 'qwen3'):
       c['use_sliding_window'] = False
     if model_type in ('gemma2', 'gemma3_text'):
       c['query_pre_attn_scalar'] = m.get('query_scale_dim') or head_dim
       c['final_logit_softcapping'] = m.get('final_softcap') or None
       c['attn_logit_softcapping'] = m.get('attn_softcap') or None
-    if model_type in ('mistral', 'gemma2', 'gemma3_text'):
+    if base in ('mistral', 'gemma2', 'gemma3_text'):
       c['sliding_window'] = m.get('sliding_window') or None
-      if model_type != 'mistral':
+      if base != 'mistral':
         every = m.get('global_every') or 0
         c['layer_types'] = ['sliding_attention' if every and (i + 1) % every else 'full_attention'
                             for i in range(m['num_layers'])]
+    if model_type in MOE_BASES:
+      c.update(_experts_to_hf(m, model_type))
     return c
   return to_hf
 
 
-def _decoder_tensors(m):
+def _experts_to_hf(m: dict, model_type: str) -> dict:
+  c = dict(num_experts_per_tok=m['experts_per_token'],
+           router_aux_loss_coef=m['router_aux_coef'], output_router_logits=False)
+  if model_type == 'mixtral':
+    return {**c, 'num_local_experts': m['num_experts'], 'intermediate_size': m['expert_mlp_dim'],
+            'router_jitter_noise': 0.0}
+  c.update(num_experts=m['num_experts'], moe_intermediate_size=m['expert_mlp_dim'],
+           decoder_sparse_step=1, mlp_only_layers=sorted(m.get('dense_layers') or ()),
+           norm_topk_prob=bool(m['norm_topk_prob']))
+  if model_type == 'qwen2_moe':
+    c['shared_expert_intermediate_size'] = m['shared_expert_dim']
+  return c
+
+
+def _expert_tensors(m: dict, model_type: str, hf: str, zoo: str) -> list:
+  """A routed layer's router, each expert's three projections (rows of zoo's [E, D, F]
+  and [E, F, D] parameters) and Qwen2-MoE's shared expert and its gate."""
+  d, e, f = m['d_model'], m['num_experts'], m['expert_mlp_dim'] or m['mlp_dim']
+  moe = f'{hf}block_sparse_moe.' if model_type == 'mixtral' else f'{hf}mlp.'
+  names = (('w1', 'w3', 'w2') if model_type == 'mixtral' else
+           ('gate_proj', 'up_proj', 'down_proj'))
+  out = [_transposed(f'{moe}gate.weight', (e, d), f'{zoo}moe/router')]
+  for i in range(e):
+    for name, path, shape in zip(names, ('wi_gate', 'wi_up', 'wo'), ((f, d), (f, d), (d, f))):
+      out.append(dataclasses.replace(
+          _transposed(f'{moe}experts.{i}.{name}.weight', shape, f'{zoo}moe/{path}'), expert=i))
+  if m.get('shared_expert_dim'):
+    out += _mlp_tensors(f'{moe}shared_expert.', f'{zoo}shared_expert/', d, m['shared_expert_dim'])
+    out.append(Tensor(f'{moe}shared_expert_gate.weight', (1, d), (f'{zoo}shared_gate',),
+                      lambda x: (x[0],), lambda x: x[None]))
+  return out
+
+
+def _mlp_tensors(hf: str, zoo: str, d: int, f: int) -> list:
+  return [_transposed(f'{hf}gate_proj.weight', (f, d), f'{zoo}wi_gate'),
+          _transposed(f'{hf}up_proj.weight', (f, d), f'{zoo}wi_up'),
+          _transposed(f'{hf}down_proj.weight', (d, f), f'{zoo}wo')]
+
+
+def _decoder_tensors(model_type: str):
+  """zoo fields -> [Tensor], for a model type in Llama's layout."""
+  return lambda m: _llama_tensors(m, model_type)
+
+
+def _llama_tensors(m, model_type):
   d, n, f = m['d_model'], m['num_heads'], m['mlp_dim']
   g, h = m.get('num_kv_heads') or n, m.get('head_dim') or d // n
   out = [_vocab('model.embed_tokens.weight', m['vocab_size'], d, 'embed'),
@@ -368,10 +446,10 @@ def _decoder_tensors(m):
         _heads_in(f'{hf}self_attn.q_proj.weight', (n * h, d), f'{zoo}attn/query', n, h),
         _heads_in(f'{hf}self_attn.k_proj.weight', (g * h, d), f'{zoo}attn/key', g, h),
         _heads_in(f'{hf}self_attn.v_proj.weight', (g * h, d), f'{zoo}attn/value', g, h),
-        _heads_out(f'{hf}self_attn.o_proj.weight', (d, n * h), f'{zoo}attn/out', n, h),
-        _transposed(f'{hf}mlp.gate_proj.weight', (f, d), f'{zoo}mlp/wi_gate'),
-        _transposed(f'{hf}mlp.up_proj.weight', (f, d), f'{zoo}mlp/wi_up'),
-        _transposed(f'{hf}mlp.down_proj.weight', (d, f), f'{zoo}mlp/wo')]
+        _heads_out(f'{hf}self_attn.o_proj.weight', (d, n * h), f'{zoo}attn/out', n, h)]
+    routed = m.get('num_experts') and i not in set(m.get('dense_layers') or ())
+    out += (_expert_tensors(m, model_type, hf, zoo) if routed else
+            _mlp_tensors(f'{hf}mlp.', f'{zoo}mlp/', d, f))
     if m.get('qkv_bias'):
       out += [_bias_heads(f'{hf}self_attn.{x}_proj.bias', heads, h, f'{zoo}attn/{name}_bias')
               for x, name, heads in (('q', 'query', n), ('k', 'key', g), ('v', 'value', g))]
@@ -388,25 +466,35 @@ def _decoder_tensors(m):
 
 
 def _decoder_matches(model_type: str):
-  """Whether zoo fields (defaults included) are this model type's layout."""
+  """Whether zoo fields (defaults included) are this model type's layout: its dense
+  namesake's attention, norms and embeddings, and routed experts iff it has them."""
   gemma = model_type.startswith('gemma')
+  dense_type = MOE_BASES.get(model_type, model_type)
 
   def matches(m):
+    if bool(m.get('num_experts')) != (model_type in MOE_BASES) or m.get('capacity_factor'):
+      return False
+    if model_type == 'mixtral' and (not m.get('norm_topk_prob') or m.get('dense_layers')):
+      return False
+    if bool(m.get('shared_expert_dim')) != (model_type == 'qwen2_moe'):
+      return False
     base = (m.get('positions') == 'rotary' and not m.get('use_bias')
             and m.get('norm') == ('rms_offset' if gemma else 'rms')
             and m.get('mlp_activation') == ('geglu' if gemma else 'swiglu')
             and bool(m.get('embed_scale')) == gemma
-            and bool(m.get('qkv_bias')) == (model_type == 'qwen2')
-            and bool(m.get('qk_norm')) == (model_type in ('qwen3', 'gemma3_text'))
-            and bool(m.get('post_norms')) == (model_type in ('gemma2', 'gemma3_text'))
-            and bool(m.get('rope_local_theta')) == (model_type == 'gemma3_text')
-            and (model_type == 'gemma2' or not m.get('attn_softcap'))
-            and (model_type in ('gemma2', 'gemma3_text')
+            and bool(m.get('qkv_bias')) == (dense_type == 'qwen2')
+            and bool(m.get('qk_norm')) == (dense_type in ('qwen3', 'gemma3_text'))
+            and bool(m.get('post_norms')) == (dense_type in ('gemma2', 'gemma3_text'))
+            and bool(m.get('rope_local_theta')) == (dense_type == 'gemma3_text')
+            and (dense_type == 'gemma2' or not m.get('attn_softcap'))
+            and (dense_type in ('gemma2', 'gemma3_text')
                  or not m.get('final_softcap') and not m.get('query_scale_dim'))
             and (not gemma or m.get('tie_embeddings')))
-    if model_type == 'mistral':
+    if model_type == 'mixtral':  # Mistral's attention, with or without its window.
+      return base and not m.get('global_every')
+    if dense_type == 'mistral':
       return base and bool(m.get('sliding_window')) and not m.get('global_every')
-    if model_type in ('gemma2', 'gemma3_text'):
+    if dense_type in ('gemma2', 'gemma3_text'):
       return base
     return base and not m.get('sliding_window')
   return matches
@@ -489,7 +577,8 @@ def _vit_image(fields: dict, params: dict) -> dict:
 
 def _decoder(model_type: str) -> 'Architecture':
   return Architecture(_HF_CLASS[model_type], 'transformer_lm', TEXT, _decoder_from_hf(model_type),
-                      _decoder_to_hf(model_type), _decoder_tensors, _decoder_matches(model_type),
+                      _decoder_to_hf(model_type), _decoder_tensors(model_type),
+                      _decoder_matches(model_type),
                       ignored=('.rotary_emb.inv_freq',))
 
 
@@ -498,8 +587,8 @@ ARCHITECTURES = {
     'gpt2': Architecture('GPT2LMHeadModel', 'transformer_lm', TEXT, _gpt2_from_hf, _gpt2_to_hf,
                          _gpt2_tensors, _gpt2_matches,
                          ignored=('.attn.bias', '.attn.masked_bias', 'lm_head.weight')),
-    **{t: _decoder(t) for t in ('gemma3_text', 'gemma2', 'gemma', 'qwen3', 'qwen2', 'mistral',
-                                'llama')},
+    **{t: _decoder(t) for t in ('mixtral', 'qwen2_moe', 'qwen3_moe', 'gemma3_text', 'gemma2',
+                                'gemma', 'qwen3', 'qwen2', 'mistral', 'llama')},
     'vit': Architecture('ViTForImageClassification', 'vit', IMAGES, _vit_from_hf, _vit_to_hf,
                         _vit_tensors, _vit_matches,
                         ignored=('vit.pooler.dense.weight', 'vit.pooler.dense.bias'),

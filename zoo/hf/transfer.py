@@ -1,5 +1,6 @@
 """Hugging Face weights in and out of a zoo workdir: what `zoo.convert import|export` runs
 (see zoo/convert.py for the formats)."""
+import collections
 import dataclasses
 import json
 import math
@@ -139,6 +140,20 @@ def _flat(tree: Any) -> dict[str, Any]:
   return {'/'.join(str(getattr(k, 'key', k)) for k in path): leaf for path, leaf in flat}
 
 
+class _Experts:
+  """A zoo parameter [E, ...] whose row e is HF tensor e: indexing reads only the experts
+  the index asks for, one tensor at a time (a device's shard never needs the whole stack
+  in host memory)."""
+
+  def __init__(self, tensors: list, files: dict[str, str]):
+    self.tensors, self.files = tensors, files
+
+  def __getitem__(self, index: tuple) -> np.ndarray:
+    rows, rest = index[0], tuple(index[1:])
+    return np.stack([t.to_zoo(_read(self.files[t.name], t.name))[0][rest]
+                     for t in self.tensors[rows]])
+
+
 def _unscanned(params: dict[str, Any]) -> dict[str, Any]:
   """A scan_layers run's stacked `blocks/...` parameters as `block_<i>/...` per layer, the
   names the layouts use; each stacked array is let go once split."""
@@ -174,20 +189,29 @@ def import_model(hf_dir: str, workdir: str, mesh_shape: str = '') -> setup_lib.S
   setup = setup_lib.placed(config, shapes_dataset(arch.kind.task, model_fields, example),
                            mesh_shape, doing='importing')
   targets = _flat(setup.abstract_state().params)
-  covered = sorted(p for t in expected for p in t.zoo)
-  assert covered == sorted(targets), (set(covered) ^ set(targets))  # zoo.hf.layouts matches the model.
+  covered = [p for t in expected if t.expert is None for p in t.zoo]
+  experts = {}  # Routed experts: zoo parameter [E, ...] -> its E tensors, one a row.
+  for t in expected:
+    if t.expert is not None:
+      experts.setdefault(t.zoo[0], []).append(t)
+  assert sorted(covered + list(experts)) == sorted(targets), (  # zoo.hf.layouts matches the model.
+      set(covered + list(experts)) ^ set(targets))
   logging.info('importing %s (%s, %d tensors) onto mesh %s', hf_dir, model_type, len(expected),
                dict(setup.mesh.shape))
   params = {}
+  place = lambda target, part: jax.make_array_from_callback(
+      target.shape, target.sharding,
+      lambda index: np.ascontiguousarray(part[index], target.dtype))
   for tensor in expected:  # One HF tensor in host memory at a time.
+    if tensor.expert is not None:
+      continue
     parts = tensor.to_zoo(_read(files[tensor.name], tensor.name))
     for path, part in zip(tensor.zoo, parts):
-      target = targets[path]
-      assert tuple(part.shape) == tuple(target.shape), (path, part.shape, target.shape)
-      params[path] = jax.make_array_from_callback(
-          target.shape, target.sharding,
-          lambda index, part=part, dtype=target.dtype: np.ascontiguousarray(part[index], dtype))
+      assert tuple(part.shape) == tuple(targets[path].shape), (path, part.shape, targets[path])
+      params[path] = place(targets[path], part)
     del parts
+  for path, rows in experts.items():
+    params[path] = place(targets[path], _Experts(sorted(rows, key=lambda t: t.expert), files))
   tree = jax.tree_util.tree_unflatten(
       jax.tree.structure(setup.abstract_state().params),
       [params[p] for p in _flat(setup.abstract_state().params)])
@@ -305,11 +329,17 @@ def _write_safetensors(tensors: list, params: dict, hf_dir: str, max_bytes: int,
   files = ([WEIGHTS] if len(groups) == 1 else
            [f'model-{i + 1:05d}-of-{len(groups):05d}.safetensors' for i in range(len(groups))])
   weight_map, total = {}, 0
+  uses = collections.Counter(p for t in tensors for p in t.zoo)  # An expert stack: E uses.
+
+  def take(path, expert):  # The parameter (or its row), let go after its last use.
+    uses[path] -= 1
+    value = params[path] if uses[path] else params.pop(path)
+    return np.asarray(value if expert is None else value[expert])
   for file, group in zip(files, groups):
     shard = {}
     for tensor in group:
       shard[tensor.name] = np.ascontiguousarray(
-          tensor.to_hf(*(np.asarray(params.pop(p)) for p in tensor.zoo)), np.float32)
+          tensor.to_hf(*(take(p, tensor.expert) for p in tensor.zoo)), np.float32)
       total += shard[tensor.name].nbytes
     save_file(shard, os.path.join(hf_dir, file), metadata={'format': 'pt'})
     weight_map.update({name: file for name in shard})

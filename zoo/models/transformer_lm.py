@@ -168,11 +168,10 @@ def check_config(m) -> None:
     fail('model.dense_layers', 'scanned layers must all be alike; set model.scan_layers=False '
          'to keep dense MLPs in some layers')
   lora = m.get('lora', {})
-  routed_targets = set(lora.get('targets', ()) or ()) & {'wi_gate', 'wi_up', 'wi', 'wo'}
-  if lora.get('rank', 0) and routed_targets and not (dense or m.get('shared_expert_dim')):
-    fail('model.lora.targets', f'{sorted(routed_targets)}: routed experts take no adapters '
-         '(only dense and shared-expert MLPs do); adapt the attention projections (query, '
-         'key, value, out)')
+  mlp_targets = set(lora.get('targets', ()) or ()) & {'wi_gate', 'wi_up', 'wi', 'wo'}
+  if lora.get('rank', 0) and mlp_targets:
+    fail('model.lora.targets', f'{sorted(mlp_targets)}: a model with routed experts takes '
+         'adapters on its attention projections only (query, key, value, out)')
 
 
 FAMILY = ModelFamily(TransformerLM, task='lm', check_config=check_config,

@@ -26,6 +26,7 @@ from zoo.store import metrics, storage
 
 WANDB_MODES = ('', 'online', 'offline', 'disabled')
 LAYER_FIELDS = ('num_layers', 'num_encoder_layers', 'num_decoder_layers', 'stage_sizes')
+INDEX_FIELDS = ('dense_layers',)  # Model fields that list layers, not sizes.
 MAX_LAYERS = 1024
 
 
@@ -109,17 +110,17 @@ def model_config(name: str, **fields) -> ml_collections.ConfigDict:
       continue
     values[f.name] = f.default
   if isinstance(values.get('lora'), lora_lib.Lora):
-    values['lora'] = _lora(values.get('mlp_activation'), rank=0, alpha=0.0)
+    values['lora'] = _lora(values, rank=0, alpha=0.0)
   return ml_collections.ConfigDict(values)
 
 
-def _lora(mlp_activation: Optional[str], rank: int, alpha: float) -> ml_collections.ConfigDict:
-  """config.model.lora adapting every projection a model with this MLP has."""
-  gated = mlp_activation in ('swiglu', 'geglu')
-  return ml_collections.ConfigDict(dict(
-      rank=rank, alpha=alpha, dropout=0.0,
-      targets=('query', 'key', 'value', 'out') + (('wi_gate', 'wi_up', 'wo') if gated
-                                                  else ('wi', 'wo'))))
+def _lora(model: Any, rank: int, alpha: float) -> ml_collections.ConfigDict:
+  """config.model.lora adapting every projection the model (its fields) has adapters for:
+  its attention's and its MLP's, but a model with routed experts only its attention's."""
+  gated = model.get('mlp_activation') in ('swiglu', 'geglu')
+  mlp = () if model.get('num_experts') else ('wi_gate', 'wi_up', 'wo') if gated else ('wi', 'wo')
+  return ml_collections.ConfigDict(dict(rank=rank, alpha=alpha, dropout=0.0,
+                                        targets=('query', 'key', 'value', 'out') + mlp))
 
 
 def imported_model(workdir: str, experiment: str, lora_rank: int = 0
@@ -137,7 +138,7 @@ def imported_model(workdir: str, experiment: str, lora_rank: int = 0
   c = base_config()
   model = dict(json.loads(storage.read_text(found))['model'])
   c.model = model_config(model.pop('name', None), **model)
-  c.model.lora = _lora(c.model.get('mlp_activation'), rank=lora_rank, alpha=2.0 * lora_rank)
+  c.model.lora = _lora(c.model, rank=lora_rank, alpha=2.0 * lora_rank)
   c.checkpoint.init_from = workdir
   c.data.name = 'tokens'
   c.data.path = ''  # A dataset made with the model's tokenizer: --config.data.path.
@@ -244,6 +245,8 @@ def validate_model(model: ml_collections.ConfigDict) -> None:
            if f.default == 0 and not isinstance(f.default, bool)}  # 0: derived (head_dim).
   for key, value in model.items():
     values = value if isinstance(value, (tuple, list)) else (value,)
+    if key in INDEX_FIELDS:  # Layer numbers, from 0: the family checks them.
+      continue
     if any(isinstance(v, int) and not isinstance(v, bool) and (v < 0 or v == 0 and key not in unset)
            for v in values):
       fail(f'model.{key}', f'sizes must be positive, got {value}' + (
