@@ -4,7 +4,9 @@ mlp_only_layers, norm_topk_prob false and true) built by `transformers`, importe
 equal HF's, also with the experts split over an expert mesh axis), exported bit for bit,
 each device's share of the experts read without the whole stack, and fine-tuned (full and
 LoRA, exported to PEFT) like a dense import."""
+import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 from conftest import cat_sat_tokens, experiment, read_metrics, saved_hf_models
 from zoo import data as data_lib
+from zoo.errors import ConfigError
 from zoo.hf import transfer
 from zoo.parallel import mesh as mesh_lib
 from zoo.parallel import sharding
@@ -22,8 +25,8 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 
 VOCAB = 257  # zoo's bytes tokenizer.
-# float32 against transformers: measured at most 1.1e-5 on logits of up to ~6 (the
-# experts' weighted sum rounds differently from torch's).
+# float32 against transformers: measured at most 1.4e-5 (Mixtral) on logits of up to ~7
+# (the experts' weighted sum rounds differently from torch's).
 LOGITS = dict(atol=3e-5, rtol=1e-5)
 _ATTENTION = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
@@ -32,10 +35,11 @@ _ATTENTION = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_att
 
 def _hf_models():
   qwen = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-              intermediate_size=48, **_ATTENTION)
+              intermediate_size=48, router_aux_loss_coef=0.005, **_ATTENTION)
   return {
       'mixtral': (transformers.MixtralForCausalLM, transformers.MixtralConfig(
-          num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, **_ATTENTION)),
+          num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+          router_aux_loss_coef=0.02, **_ATTENTION)),
       'qwen2_moe': (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
           shared_expert_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[1], **qwen)),
       'qwen2_moe_norm': (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
@@ -50,7 +54,16 @@ def _hf_models():
 
 @pytest.fixture(scope='module')
 def hf_dirs(tmp_path_factory):
-  return saved_hf_models(_hf_models(), tmp_path_factory.mktemp('hf_moe'))
+  """Each tiny model saved by transformers; one Qwen3-MoE's config.json names its expert
+  count as published files do (num_experts; transformers 5 saves num_local_experts)."""
+  out = saved_hf_models(_hf_models(), tmp_path_factory.mktemp('hf_moe'))
+  path = os.path.join(out['qwen3_moe_unnormed'][0], 'config.json')
+  with open(path, encoding='utf-8') as f:
+    config = json.load(f)
+  config['num_experts'] = config.pop('num_local_experts')
+  with open(path, 'w', encoding='utf-8') as f:
+    json.dump(config, f)
+  return out
 
 
 @pytest.fixture(scope='module')
@@ -78,7 +91,8 @@ X = np.random.default_rng(0).integers(0, VOCAB, size=(4, 12)).astype(np.int32)
 @pytest.mark.parametrize('name', sorted(_hf_models()))
 def test_imported_logits_equal_hf(name, hf_dirs, imported, devices):
   """Each import computes transformers' logits; its fields are the layout's (routing,
-  dense layers, shared expert, the load-balance loss's weight)."""
+  dense layers, shared expert, the load-balance loss's weight, and no z-loss, which
+  transformers lacks, written down whatever zoo's default)."""
   del devices
   workdir, setup = imported[name]
   np.testing.assert_allclose(_logits(setup, workdir, X), _hf_logits(hf_dirs[name][1], X), **LOGITS)
@@ -87,7 +101,10 @@ def test_imported_logits_equal_hf(name, hf_dirs, imported, devices):
           'qwen2_moe_norm': (True, (0, 2), 40), 'qwen3_moe': (True, (0,), 0),
           'qwen3_moe_unnormed': (False, (), 0)}[name]
   assert (m.norm_topk_prob, tuple(m.dense_layers), m.shared_expert_dim) == want
-  assert (m.num_experts, m.experts_per_token, m.router_aux_coef) == (4, 2, 0.001)
+  coef = 0.02 if name == 'mixtral' else 0.005
+  assert (m.num_experts, m.experts_per_token, m.router_aux_coef) == (4, 2, coef)
+  with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+    assert json.load(f)['model']['router_z_coef'] == 0.0
 
 
 @pytest.mark.parametrize('name', ['mixtral', 'qwen2_moe'])
@@ -119,8 +136,41 @@ def test_export_loads_in_transformers_and_round_trips_bit_for_bit(name, hf_dirs,
     assert set(a.keys()) == set(b.keys())
     for key in a.keys():
       np.testing.assert_array_equal(a.get_tensor(key), b.get_tensor(key), err_msg=key)
+  with open(os.path.join(hf_dirs[name][0], 'config.json'), encoding='utf-8') as a, \
+      open(out / 'config.json', encoding='utf-8') as b:
+    assert json.load(a)['router_aux_loss_coef'] == json.load(b)['router_aux_loss_coef']
   reloaded = _hf_models()[name][0].from_pretrained(str(out)).eval()
   np.testing.assert_array_equal(_hf_logits(reloaded, X), _hf_logits(hf_dirs[name][1], X))
+
+
+def test_experts_of_mlp_dim_units_export_their_width(hf_dirs, imported, tmp_path):
+  """A zoo model whose experts take mlp_dim (expert_mlp_dim 0, the default) exports the
+  experts' width into config.json: transformers loads it and computes the same logits."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(imported['mixtral'][0], workdir)
+  with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
+    config = json.load(f)
+  assert config['model']['mlp_dim'] == config['model']['expert_mlp_dim'] == 32
+  config['model']['expert_mlp_dim'] = 0
+  with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
+    json.dump(config, f)
+  transfer.export_model(workdir, str(tmp_path / 'exported'))
+  reloaded = transformers.MixtralForCausalLM.from_pretrained(str(tmp_path / 'exported')).eval()
+  assert reloaded.config.intermediate_size == 32
+  np.testing.assert_array_equal(_hf_logits(reloaded, X), _hf_logits(hf_dirs['mixtral'][1], X))
+
+
+def test_a_qwen2_moe_without_qkv_biases_is_refused_by_name(hf_dirs, tmp_path, devices):
+  """transformers 5's Qwen2-MoE may turn its q/k/v biases off (qkv_bias), which zoo's
+  Qwen2 attention always has: the import names the switch and writes nothing."""
+  del devices
+  path = tmp_path / 'hf'
+  shutil.copytree(hf_dirs['qwen2_moe'][0], path)
+  config = json.loads((path / 'config.json').read_text())
+  (path / 'config.json').write_text(json.dumps({**config, 'qkv_bias': False}))
+  with pytest.raises(ConfigError, match=r'this qwen2_moe model uses qkv_bias=False'):
+    transfer.import_model(str(path), str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()
 
 
 def test_a_device_reads_only_the_experts_it_holds(hf_dirs, tmp_path, monkeypatch, devices):

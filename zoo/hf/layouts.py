@@ -190,7 +190,8 @@ def _gpt2_matches(m):
           and not m.get('num_kv_heads') and not m.get('head_dim'))
 
 
-# Decoders in Llama's layout: Llama (1-3), Mistral, Qwen2/2.5, Qwen3 and Gemma 1-3. The same
+# Decoders in Llama's layout: Llama (1-3), Mistral, Qwen2/2.5, Qwen3, Gemma 1-3, and the
+# mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (routed experts for MLPs). The same
 # tensors (model.layers.N.self_attn.q_proj, ...), rotary positions and RMSNorm; each model
 # type adds switches of zoo's Transformer (zoo.models.transformer).
 
@@ -281,6 +282,8 @@ def _decoder_from_hf(model_type: str):
       unsupported['use_bidirectional_attention'] = True
     if base in ('qwen2', 'qwen3') and c.get('use_sliding_window'):
       unsupported['use_sliding_window'] = True
+    if model_type == 'qwen2_moe' and not c.get('qkv_bias', True):  # transformers 5's switch.
+      unsupported['qkv_bias'] = False
     _refuse(unsupported, model_type)
     heads, d = c['num_attention_heads'], c['hidden_size']
     head_dim = c.get('head_dim') or d // heads
@@ -388,13 +391,18 @@ def _decoder_to_hf(model_type: str):
   return to_hf
 
 
+def _expert_dim(m: dict) -> int:
+  """Each expert's hidden units (zoo's expert_mlp_dim; 0: mlp_dim)."""
+  return m['expert_mlp_dim'] or m['mlp_dim']
+
+
 def _experts_to_hf(m: dict, model_type: str) -> dict:
   c = dict(num_experts_per_tok=m['experts_per_token'],
            router_aux_loss_coef=m['router_aux_coef'], output_router_logits=False)
   if model_type == 'mixtral':
-    return {**c, 'num_local_experts': m['num_experts'], 'intermediate_size': m['expert_mlp_dim'],
+    return {**c, 'num_local_experts': m['num_experts'], 'intermediate_size': _expert_dim(m),
             'router_jitter_noise': 0.0}
-  c.update(num_experts=m['num_experts'], moe_intermediate_size=m['expert_mlp_dim'],
+  c.update(num_experts=m['num_experts'], moe_intermediate_size=_expert_dim(m),
            decoder_sparse_step=1, mlp_only_layers=sorted(m.get('dense_layers') or ()),
            norm_topk_prob=bool(m['norm_topk_prob']))
   if model_type == 'qwen2_moe':
@@ -405,7 +413,7 @@ def _experts_to_hf(m: dict, model_type: str) -> dict:
 def _expert_tensors(m: dict, model_type: str, hf: str, zoo: str) -> list:
   """A routed layer's router, each expert's three projections (rows of zoo's [E, D, F]
   and [E, F, D] parameters) and Qwen2-MoE's shared expert and its gate."""
-  d, e, f = m['d_model'], m['num_experts'], m['expert_mlp_dim'] or m['mlp_dim']
+  d, e, f = m['d_model'], m['num_experts'], _expert_dim(m)
   moe = f'{hf}block_sparse_moe.' if model_type == 'mixtral' else f'{hf}mlp.'
   names = (('w1', 'w3', 'w2') if model_type == 'mixtral' else
            ('gate_proj', 'up_proj', 'down_proj'))
