@@ -21,9 +21,10 @@ merged into the weights; with --peft they are written alone, as a PEFT adapter d
 
     python -m zoo.convert export --workdir=runs/lora --hf_dir=out/adapter --peft
 
-Supported: GPT-2, Llama (1-3), Mistral, Qwen2/2.5, Qwen3, Gemma (1-3) and the ViT
-(zoo.hf.layouts). Neither direction holds a second copy of the weights on the host: import
-reads one tensor at a time, export writes one shard at a time.
+Supported: GPT-2, Llama (1-3), Mistral, Qwen2/2.5, Qwen3, Gemma (1-3), the mixtures of
+experts Mixtral, Qwen2-MoE and Qwen3-MoE, and the ViT (zoo.hf.layouts). Neither direction
+holds a second copy of the weights on the host: import reads one tensor at a time (a stack
+of experts, each device's experts only), export writes one shard at a time.
 """
 from absl import flags
 
