@@ -207,9 +207,12 @@ def _edited(hf_dir, tmp_path, edit):
      r"this llama model uses rope_type='yarn'"),
     ('gemma', lambda c: c.update(hidden_activation='relu'),
      r"this gemma model uses hidden_act='relu'"),
-    ('mistral', lambda c: c.update(model_type='mixtral'),
-     r"model_type 'mixtral' is not supported; supported: gemma, gemma2, gemma3_text, gpt2, "
-     r'llama, mistral, qwen2, qwen3, vit'),
+    ('mistral', lambda c: c.update(model_type='olmoe'),
+     r"model_type 'olmoe' is not supported; supported: gemma, gemma2, gemma3_text, gpt2, "
+     r'llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, vit'),
+    ('mistral', lambda c: c.update(model_type='mixtral'),  # Without its experts' keys.
+     r"this mixtral config.json has no num_local_experts, num_experts_per_tok: a model with "
+     r'routed experts'),
 ])
 def test_an_unsupported_switch_is_one_line_naming_the_field(name, edit, message, families,
                                                             tmp_path):

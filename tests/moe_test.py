@@ -303,9 +303,10 @@ def test_an_expert_axis_on_a_pod_gives_every_process_one_block_of_rows(name, sha
 
 @needs_cuda
 def test_a_gpu_compiles_mosaic_gpu_grouped_matmuls(monkeypatch):
-  """On an H100 (compile-only) the experts' matmuls, forward and backward, are Mosaic GPU
+  """On H100s (compile-only) the experts' matmuls, forward and backward, are Mosaic GPU
   kernels (ragged dot, and the transposed ragged dot for the weights' gradient), not
-  XLA's ragged_dot, which lowers to a dense masked dot there."""
+  XLA's ragged_dot, which lowers to a dense masked dot there; with an expert axis over 8
+  GPUs the rows travel by ragged all-to-all."""
   gpu = topology.devices(topology.parse('h100-1'))
   # The transposed kernel reads the SM count from jax.devices() as it traces.
   monkeypatch.setattr(jax, 'devices', lambda *args: gpu)
@@ -318,6 +319,22 @@ def test_a_gpu_compiles_mosaic_gpu_grouped_matmuls(monkeypatch):
     loss = lambda p, x: jnp.sum(block.apply(p, x)[0].astype(jnp.float32) ** 2)
     text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
   # Forward: gate, up, down; backward: the down projection's rows, and three weights'.
+  assert len(re.findall(r'custom_call_target="mosaic_gpu', text)) >= 7
+  # 8 GPUs, an expert axis of 8: the rows travel by ragged all-to-all (asynchronous there).
+  gpus = topology.devices(topology.parse('h100-8'))
+  monkeypatch.setattr(jax, 'devices', lambda *args: gpus)
+  axes = ('batch', 'expert', 'model')
+  mesh = mesh_lib.make_mesh((1, 8, 1), axes, gpus, batch_axes=('batch', 'expert'))
+  rules = sharding.for_mesh(sharding.expert_rules(sharding.fsdp_rules()), axes)
+  block = moe.MoeBlock(moe.Moe(8, 2, 256, buffer=2.0), dtype='bfloat16')  # One a GPU.
+  with sharding.scope(mesh, rules):
+    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          params, shardings)
+    x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(('batch', 'expert'))))
+    text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+  assert text.count('ragged-all-to-all-start') >= 2
   assert len(re.findall(r'custom_call_target="mosaic_gpu', text)) >= 7
 
 

@@ -326,7 +326,15 @@ def _experts_from_hf(c: dict, model_type: str) -> dict:
   saves num_local_experts."""
   if c.get('router_jitter_noise'):
     _refuse({'router_jitter_noise': c['router_jitter_noise']}, model_type)
+  count = 'num_local_experts' if model_type == 'mixtral' else 'num_experts'
+  width = 'intermediate_size' if model_type == 'mixtral' else 'moe_intermediate_size'
   experts = c.get('num_experts') or c.get('num_local_experts')
+  missing = [k for k, v in ((count, experts), ('num_experts_per_tok', c.get('num_experts_per_tok')),
+                            (width, c.get(width))) if not v]
+  if missing:
+    raise ConfigError(f'--hf_dir: this {model_type} config.json has no {", ".join(missing)}: a '
+                      'model with routed experts names how many, how many per token and their '
+                      'width (save the model with transformers)')
   fields = dict(num_experts=experts, experts_per_token=c['num_experts_per_tok'],
                 router_aux_coef=float(c.get('router_aux_loss_coef', 0.001)), router_z_coef=0.0)
   if model_type == 'mixtral':
@@ -480,7 +488,8 @@ def _decoder_matches(model_type: str):
   dense_type = MOE_BASES.get(model_type, model_type)
 
   def matches(m):
-    if bool(m.get('num_experts')) != (model_type in MOE_BASES) or m.get('capacity_factor'):
+    # (A capacity factor or expert buffer is how training routed: the weights are the same.)
+    if bool(m.get('num_experts')) != (model_type in MOE_BASES):
       return False
     if model_type == 'mixtral' and (not m.get('norm_topk_prob') or m.get('dense_layers')):
       return False

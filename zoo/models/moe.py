@@ -245,7 +245,7 @@ def _by_capacity(plan, rows_ND, expert_N, sizes_E, w):
   """GShard's capacity: each expert's first C rows in [E, C, D] blocks, exchanged whole
   between expert-parallel devices by all_to_all."""
   n, e, p = rows_ND.shape[0], plan.num_experts, plan.parallel
-  capacity = max(1, math.ceil(plan.capacity_factor * n / e))
+  capacity = max(1, min(n, math.ceil(plan.capacity_factor * n / e)))  # Past n: room for all.
   pos_N = _positions(expert_N, sizes_E)
   kept_N = pos_N < capacity
   blocks_ECD = jnp.zeros((e, capacity, rows_ND.shape[1]), rows_ND.dtype).at[

@@ -30,6 +30,8 @@ mesh axis (Megatron-LM, arXiv:1909.08053). The switches every Transformer family
   factors, and `rope_local_theta` (local layers' own rotary base: Gemma 3); GPT-2, Llama,
   Mistral, Qwen2/3, Gemma 1-3 and HF's ViT are settings of these (zoo.hf.layouts);
 - `lora`: low-rank adapters on the projections it names (zoo.models.lora);
+- routed experts in place of the MLPs (`transformer_lm`'s `num_experts` and friends,
+  zoo.models.moe), a gated shared expert beside them (Qwen2-MoE), dense layers among them;
 - `embedding_grad`: how the token embedding's gradient is summed: 'auto' (the default),
   'one_hot', 'sorted' or 'take' (zoo.models.embedding: no contended scatter on GPUs);
 - `attention`: 'auto' (the default: cuDNN's fused kernel on NVIDIA GPUs, splash on TPUs,
@@ -352,8 +354,8 @@ def blocks(module: Transformer, x_BLD: jax.Array, context_BMD: Optional[jax.Arra
 
   Call inside the `nn.compact` method of a Transformer `module`: the blocks become its
   submodules, sized and switched by its fields. Layers with routed experts (`routed_layers`
-  of a module with `moe`) append their router statistics to `stats`, stacked over layers
-  under nn.scan.
+  of a module with `moe`) append their router statistics to `stats`, one dict per layer
+  (under nn.scan, sliced from the scan's stacked ones).
   """
   cls = Block
   policy = REMAT_POLICIES[module.remat]
