@@ -77,18 +77,19 @@ def saved_hf_models(models, root):
   return out
 
 
-def cat_sat_tokens(tokenizer_dir, tmp_path):
-  """A small prepared token dataset (40 repetitive lines) in the tokenizer of
-  `tokenizer_dir` (an imported workdir): what fine-tuning tests train on."""
-  docs = tmp_path / 'docs.jsonl'
-  docs.write_text(''.join(json.dumps({'text': f'line {i}: the cat sat on the mat. ' * 4}) + '\n'
-                          for i in range(40)))
+def prepared_text(tokenizer_dir, root, line='line {i}: the cat sat on the mat. ' * 4,
+                  lines=40, name='ft_data'):
+  """A small token dataset `root/name` that zoo.prepare makes, in the tokenizer of
+  `tokenizer_dir` (an imported workdir), from `lines` documents `line.format(i=i)`: what
+  fine-tuning tests train on."""
+  docs = root / 'docs.jsonl'
+  docs.write_text(''.join(json.dumps({'text': line.format(i=i)}) + '\n' for i in range(lines)))
   result = subprocess.run([sys.executable, '-m', 'zoo.prepare', 'text', f'--input={docs}',
-                           f'--output={tmp_path / "ft_data"}', '--val_fraction=0.2',
+                           f'--output={root / name}', '--val_fraction=0.2',
                            f'--tokenizer={tokenizer_dir}/tokenizer.json'], cwd=REPO,
                           capture_output=True, text=True, timeout=120, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
-  return str(tmp_path / 'ft_data')
+  return str(root / name)
 
 
 def read_metrics(workdir):

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import cat_sat_tokens, experiment, read_metrics, saved_hf_models
+from conftest import experiment, prepared_text, read_metrics, saved_hf_models
 from zoo import data as data_lib
 from zoo.errors import ConfigError
 from zoo.hf import transfer
@@ -205,7 +205,7 @@ def test_fine_tuning_an_imported_moe_learns_and_exports(lora, hf_dirs, imported,
   from zoo.run import config as cfg, train  # pylint: disable=import-outside-toplevel
   del devices
   workdir, _ = imported['qwen3_moe']
-  data = cat_sat_tokens(workdir, tmp_path)
+  data = prepared_text(workdir, tmp_path)
   c = cfg.load_experiment(experiment('finetune_lm'), f'{workdir},smoke' + (',lora' if lora else ''))
   c.data.path, c.mesh.shape, c.train.log_every_steps = data, (4, 2), 1
   run = str(tmp_path / 'run')

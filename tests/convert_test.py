@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, cat_sat_tokens, cli_env, saved_hf_models, stop_at
+from conftest import REPO, cli_env, prepared_text, saved_hf_models, stop_at
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.errors import ConfigError
 from zoo.hf import transfer
@@ -284,7 +284,7 @@ def test_fine_tuning_an_import_lowers_the_loss_and_resumes_exactly(hf_dirs, impo
   from zoo.run import config as cfg, train  # pylint: disable=import-outside-toplevel
   del devices
   workdir, _ = imported['gpt2']
-  data = cat_sat_tokens(workdir, tmp_path)
+  data = prepared_text(workdir, tmp_path)
 
   def config():
     c = cfg.load_experiment(experiment('finetune_lm'), f'{workdir},smoke')

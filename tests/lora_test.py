@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, cli_env, experiment, read_metrics, stop_at
+from conftest import REPO, cli_env, experiment, prepared_text, read_metrics, stop_at
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.errors import ConfigError
 from zoo.hf import transfer
@@ -41,16 +41,10 @@ def imported(tmp_path_factory):
   model.save_pretrained(root / 'hf')
   tokenizer_lib.bytes_tokenizer().save(str(root / 'hf' / 'tokenizer.json'))
   transfer.import_model(str(root / 'hf'), str(root / 'imported'))
-  docs = root / 'docs.jsonl'
-  docs.write_text(''.join(json.dumps({'text': f'{i}: the lazy dog naps in the sun. ' * 3}) + '\n'
-                          for i in range(60)))
-  result = subprocess.run([sys.executable, '-m', 'zoo.prepare', 'text', f'--input={docs}',
-                           f'--output={root / "data"}', '--val_fraction=0.2',
-                           f'--tokenizer={root / "imported" / "tokenizer.json"}'], cwd=REPO,
-                          capture_output=True, text=True, timeout=120, check=False)
-  assert result.returncode == 0, result.stderr[-2000:]
+  data = prepared_text(root / 'imported', root, '{i}: the lazy dog naps in the sun. ' * 3,
+                       lines=60, name='data')
   return {'hf': str(root / 'hf'), 'model': model, 'workdir': str(root / 'imported'),
-          'data': str(root / 'data')}
+          'data': data}
 
 
 def _config(imported, lora_rank=True, **overrides):

@@ -251,16 +251,14 @@ def test_moe_lm_resumes_bit_exactly_and_on_another_mesh(tmp_path, monkeypatch, d
   assert row['train/moe/dropped'] == 0.0 and row['train/moe/layer_0/load_max'] >= 1.0
 
 
-@needs_libtpu
-def test_a_tpu_compiles_megablox_and_ragged_all_to_all(devices):
-  """On v5p-8 (compile-only) with an expert axis of 4: the step's grouped matmuls are
-  Megablox's kernels (gmm, and tgmm for the weights' gradient: no dense convolution), and
-  the rows travel by ragged all-to-all."""
-  del devices
-  tpu = topology.devices(topology.parse('v5p-8'))
-  mesh = mesh_lib.make_mesh((1, 4, 1), ('batch', 'expert', 'model'), tpu)
-  rules = sharding.for_mesh(sharding.expert_rules(sharding.fsdp_rules()), mesh.axis_names)
-  block = moe.MoeBlock(moe.Moe(16, 2, 256), dtype='bfloat16')
+def _compiled_gradient(settings, devices, shape):
+  """The compiled program of sum(y^2)'s gradient for a bf16 MoeBlock with `settings` on
+  compile-only `devices`, mesh `shape` over ('batch', 'expert', 'model') with moe_lm's
+  rules, a [8, 256, 512] input split over batch and expert: its HLO text."""
+  axes = ('batch', 'expert', 'model')
+  mesh = mesh_lib.make_mesh(shape, axes, devices, batch_axes=('batch', 'expert'))
+  rules = sharding.for_mesh(sharding.expert_rules(sharding.fsdp_rules()), axes)
+  block = moe.MoeBlock(settings, dtype='bfloat16')
   x = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
   boxed = jax.eval_shape(lambda x: block.init(jax.random.key(0), x), x)
   plain = jax.tree.map(lambda p: p.value, boxed, is_leaf=lambda p: isinstance(p, nn.Partitioned))
@@ -271,7 +269,17 @@ def test_a_tpu_compiles_megablox_and_ragged_all_to_all(devices):
     x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(('batch', 'expert'))))
     loss = lambda p, x: jnp.sum(block.apply(p, x)[0].astype(jnp.float32) ** 2)
-    text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+    return jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+
+
+@needs_libtpu
+def test_a_tpu_compiles_megablox_and_ragged_all_to_all(devices):
+  """On v5p-8 (compile-only) with an expert axis of 4: the step's grouped matmuls are
+  Megablox's kernels (gmm, and tgmm for the weights' gradient: no dense convolution), and
+  the rows travel by ragged all-to-all."""
+  del devices
+  text = _compiled_gradient(moe.Moe(16, 2, 256), topology.devices(topology.parse('v5p-8')),
+                            (1, 4, 1))
   kernels = re.findall(r'custom_call_target="tpu_custom_call".{0,400}?\b(t?gmm)\b', text)
   assert kernels.count('gmm') >= 3 and kernels.count('tgmm') >= 3, kernels
   assert text.count('ragged-all-to-all(') >= 2
@@ -310,30 +318,13 @@ def test_a_gpu_compiles_mosaic_gpu_grouped_matmuls(monkeypatch):
   gpu = topology.devices(topology.parse('h100-1'))
   # The transposed kernel reads the SM count from jax.devices() as it traces.
   monkeypatch.setattr(jax, 'devices', lambda *args: gpu)
-  mesh = mesh_lib.make_mesh((1, 1), ('batch', 'model'), gpu)
-  block = moe.MoeBlock(moe.Moe(8, 2, 256), dtype='bfloat16')
-  x = jax.ShapeDtypeStruct((8, 256, 512), jnp.bfloat16)
-  boxed = jax.eval_shape(lambda x: block.init(jax.random.key(0), x), x)
-  params = jax.tree.map(lambda p: p.value, boxed, is_leaf=lambda p: isinstance(p, nn.Partitioned))
-  with sharding.scope(mesh, sharding.standard_rules()):
-    loss = lambda p, x: jnp.sum(block.apply(p, x)[0].astype(jnp.float32) ** 2)
-    text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+  text = _compiled_gradient(moe.Moe(8, 2, 256), gpu, (1, 1, 1))
   # Forward: gate, up, down; backward: the down projection's rows, and three weights'.
   assert len(re.findall(r'custom_call_target="mosaic_gpu', text)) >= 7
   # 8 GPUs, an expert axis of 8: the rows travel by ragged all-to-all (asynchronous there).
   gpus = topology.devices(topology.parse('h100-8'))
   monkeypatch.setattr(jax, 'devices', lambda *args: gpus)
-  axes = ('batch', 'expert', 'model')
-  mesh = mesh_lib.make_mesh((1, 8, 1), axes, gpus, batch_axes=('batch', 'expert'))
-  rules = sharding.for_mesh(sharding.expert_rules(sharding.fsdp_rules()), axes)
-  block = moe.MoeBlock(moe.Moe(8, 2, 256, buffer=2.0), dtype='bfloat16')  # One a GPU.
-  with sharding.scope(mesh, rules):
-    shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          params, shardings)
-    x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec(('batch', 'expert'))))
-    text = jax.jit(jax.grad(loss)).lower(params, x).compile().as_text()
+  text = _compiled_gradient(moe.Moe(8, 2, 256, buffer=2.0), gpus, (1, 8, 1))  # One a GPU.
   assert text.count('ragged-all-to-all-start') >= 2
   assert len(re.findall(r'custom_call_target="mosaic_gpu', text)) >= 7
 

@@ -225,7 +225,7 @@ def _dispatch(plan: _Plan, x_TD, ids_TK, gates_TK, w):
   elif plan.parallel == 1:
     y_ND, kept_N = _mlp(rows_ND, sizes_E, w, plan.activation, plan.method, plan.dtype), None
   elif plan.ragged:
-    y_ND, kept_N = _exchange_ragged(plan, rows_ND, sizes_E, w)
+    y_ND, kept_N = _exchange_ragged(plan, rows_ND, expert_N, sizes_E, w)
   else:
     y_ND, kept_N = _exchange_slabs(plan, rows_ND, expert_N, sizes_E, w)
   y_ND = jnp.zeros_like(y_ND).at[order].set(y_ND)   # Back to token order.
@@ -236,7 +236,7 @@ def _dispatch(plan: _Plan, x_TD, ids_TK, gates_TK, w):
 
 
 def _positions(expert_N, sizes_E):
-  """Each sorted row's place within its expert's rows."""
+  """Each sorted row's place within its group's rows (its expert's, or its device's)."""
   starts_E = jnp.cumsum(sizes_E) - sizes_E
   return jnp.arange(expert_N.shape[0]) - starts_E[expert_N]
 
@@ -298,8 +298,7 @@ def _exchange_slabs(plan, rows_ND, expert_N, sizes_E, w):
   slab = n if not plan.buffer else max(1, min(n, math.ceil(plan.buffer * n / p)))
   dest_N = expert_N // g
   counts_PG = sizes_E.reshape(p, g)
-  to_P = counts_PG.sum(1)
-  pos_N = jnp.arange(n) - (jnp.cumsum(to_P) - to_P)[dest_N]
+  pos_N = _positions(dest_N, counts_PG.sum(1))
   kept_N = pos_N < slab
   slabs = jnp.zeros((p, slab, rows_ND.shape[1]), rows_ND.dtype).at[dest_N, pos_N].set(
       rows_ND, mode='drop')
@@ -313,7 +312,7 @@ def _exchange_slabs(plan, rows_ND, expert_N, sizes_E, w):
   return jnp.where(kept_N[:, None], y_ND, 0), kept_N
 
 
-def _exchange_ragged(plan, rows_ND, sizes_E, w):
+def _exchange_ragged(plan, rows_ND, expert_N, sizes_E, w):
   """Expert parallelism by ragged_all_to_all into a receive buffer of R rows (`buffer` x
   N, or P x N: the worst case). Senders fill a device's buffer in device order; rows that
   do not fit are dropped."""
@@ -336,9 +335,8 @@ def _exchange_ragged(plan, rows_ND, sizes_E, w):
   back = jax.lax.ragged_all_to_all(
       y, jnp.zeros_like(rows_ND), at_SP[:, me], sent_SP[:, me], starts_SP[:, me],
       sent_SP[me], axis_name=plan.expert_axes)
-  dest_N = jnp.repeat(jnp.arange(p), want_SP[me], total_repeat_length=n)
-  pos_N = jnp.arange(n) - starts_SP[me][dest_N]
-  return back, pos_N < sent_SP[me][dest_N]
+  dest_N = expert_N // g
+  return back, _positions(dest_N, want_SP[me]) < sent_SP[me][dest_N]
 
 
 class MoeBlock(nn.Module):

@@ -134,11 +134,11 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
       return (jax.tree.map(jnp.add, sums, figures), grad_sum, model_state), None
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), trained)
     micro = jax.tree.map(lambda x: _microbatches(x, microbatches), batch)
-    shapes = jax.eval_shape(lambda: grad_fn(trained, state, jax.tree.map(lambda x: x[0], micro),
-                                            rng)[0][1][1])
+    first = jax.tree.map(lambda x: x[0], micro)  # The figures' shapes: a forward pass's.
+    shapes = jax.eval_shape(lambda: objective(trained, state, first, rng)[1][1])
+    no_figures = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     (figures, grads, model_state), _ = jax.lax.scan(
-        accumulate, (jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), zeros, state.model_state),
-        (jnp.arange(microbatches), micro))
+        accumulate, (no_figures, zeros, state.model_state), (jnp.arange(microbatches), micro))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, trained)
   grad_norm = optax.tree.norm(grads)
   updates, opt_state = state.tx.update(grads, state.opt_state, trained, grad_norm=grad_norm)
