@@ -3,8 +3,10 @@ scalings: 'linear' (position interpolation, Chen et al., arXiv:2306.15595) and '
 (Llama 3.1's: long wavelengths divided by `factor`, short ones kept, a smooth ramp between;
 Meta's reference code and Hugging Face's `_compute_llama3_parameters`).
 
-Frequencies are computed once per model, in float32, as numpy arrays: a layer's rotation
-is then `rotate(x, positions, frequencies)`. Pairs of features (i, i + H/2) turn together,
+Frequencies are computed in float32 with jax.numpy, inside the traced model: under
+`jax.eval_shape` (the preflight, before a size is checked) they are shapes, not arrays, so
+a huge head_dim is refused by the memory bound instead of filling the host. A layer's
+rotation is then `rotate(x, positions, frequencies)`. Pairs of features (i, i + H/2) turn together,
 Hugging Face's `rotate_half` layout.
 """
 import dataclasses
@@ -12,7 +14,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 SCALINGS = ('none', 'linear', 'llama3')
 
@@ -27,24 +28,24 @@ class Rope:
   high_freq_factor: float = 4.0
   original_max_len: int = 0       # llama3: the context the base model was trained on.
 
-  def frequencies(self, head_size: int) -> np.ndarray:
+  def frequencies(self, head_size: int) -> jax.Array:
     """float32 [head_size / 2]: the angle per position of each pair of features."""
-    exponents = np.arange(0, head_size, 2).astype(np.float32) / np.float32(head_size)
-    inv = (np.float32(1.0) / (np.float32(self.theta) ** exponents)).astype(np.float32)
+    f32 = jnp.float32
+    exponents = jnp.arange(0, head_size, 2, dtype=f32) / f32(head_size)
+    inv = f32(1.0) / (f32(self.theta) ** exponents)
     if self.scaling == 'linear':
-      return (inv / np.float32(self.factor)).astype(np.float32)
+      return inv / f32(self.factor)
     if self.scaling == 'llama3':
-      factor, low, high = (np.float32(v) for v in (self.factor, self.low_freq_factor,
-                                                   self.high_freq_factor))
-      original = np.float32(self.original_max_len)
-      wavelength = np.float32(2 * math.pi) / inv
-      scaled = np.where(wavelength > original / low, inv / factor, inv)
+      factor, low, high = (f32(v) for v in (self.factor, self.low_freq_factor,
+                                            self.high_freq_factor))
+      original = f32(self.original_max_len)
+      wavelength = f32(2 * math.pi) / inv
+      scaled = jnp.where(wavelength > original / low, inv / factor, inv)
       smooth = (original / wavelength - low) / (high - low)
       ramp = (1 - smooth) * scaled / factor + smooth * scaled
       medium = ~(wavelength < original / high) & ~(wavelength > original / low)
-      return np.where(medium, ramp, scaled).astype(np.float32)
+      return jnp.where(medium, ramp, scaled)
     return inv
-
 
 def rotate(x_BLNH: jax.Array, positions_BL: jax.Array, frequencies_H: jax.Array) -> jax.Array:
   """x turned by the angles positions x frequencies (H/2 of them), in float32."""
