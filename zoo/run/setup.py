@@ -82,7 +82,7 @@ class Setup:
     and the seed of dropout's keys bound in."""
     step = functools.partial(steps.train_step, seed=self.config.seed, task=self.task,
                              microbatches=self.config.train.microbatches,
-                             trainable=self.trainable)
+                             trainable=self.trainable, lr_schedule=self.lr_schedule)
     return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
                    out_shardings=(self.state_shardings, None), donate_argnums=0)
 

@@ -98,12 +98,17 @@ def dropout_key(seed: int, step: jax.Array) -> jax.Array:
 
 
 def train_step(state: TrainState, batch: dict, seed: int, task: Task,
-               microbatches: int = 1, trainable: Trainable = None) -> tuple[TrainState, dict]:
+               microbatches: int = 1, trainable: Trainable = None,
+               lr_schedule: Optional[optax.Schedule] = None) -> tuple[TrainState, dict]:
   """One optimizer step on a global batch; returns the new state, the loss, the gradient
-  norm (computed once, for the metric and for optim.clip_by_global_norm) and the model's
-  own figures (routed experts' router losses and loads: `loss`'s). The
-  loop adds the parameter norm (check_state, a separate program) only at the steps it
-  logs, evaluates or saves.
+  norm (computed once, for the metric and for optim.clip_by_global_norm), the model's
+  own figures (routed experts' router losses and loads: `loss`'s) and, given the
+  optimizer's `lr_schedule`, the step's learning rate. The loop adds the parameter norm
+  (check_state, a separate program) only at the steps it logs, evaluates or saves.
+
+  The learning rate is computed here, not by the host when it logs: the schedule's eager
+  operations would queue behind the next step, which is already dispatched (0.13 s a
+  logged row on 8 CPU devices), and it arrives with the other metrics in one transfer.
 
   Dropout keys derive from (seed, step) (dropout_key), so a resumed run draws the same
   masks. The loss is the mean over every target that counts in the global batch (see
@@ -149,6 +154,8 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
                             model_state=model_state)
   metrics = {f'train/{name}': value for name, value in figures.items()}
   metrics['train/grad_norm'] = grad_norm
+  if lr_schedule is not None:  # The rate this update used: the count before it.
+    metrics['train/learning_rate'] = lr_schedule(state.step)
   if 'mask' in batch:  # The fraction of the batch's targets that are padding.
     metrics['train/padding'] = 1.0 - total / batch['targets'].size
   return new_state, metrics

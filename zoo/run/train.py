@@ -92,8 +92,7 @@ class Reporter:
     steps_timed = max(step - self.clock_step, 1)
     step_time = (time.perf_counter() - self.clock_time) / steps_timed
     cost = self.cost
-    scalars.update({'train/learning_rate': self.setup.lr_schedule(step - 1),
-                    'perf/step_time_s': step_time,
+    scalars.update({'perf/step_time_s': step_time,
                     'perf/data_wait_s': self.data_wait / steps_timed,
                     'perf/examples_per_s': train.batch_size / step_time,
                     'perf/flops_per_step': cost['model_flops']})
