@@ -4,9 +4,14 @@ refused by the preflight (config.validate, then the checked Setup with its memor
 with a ConfigError that names the field; never another exception, never a hang. The cases
 come from the configs themselves, so a new field is covered without editing this test.
 
-Fields shared by every experiment (base_config's) are tried on one experiment; the model
-and data fields of each experiment on that experiment (finetune_lm's and finetune_chat's are
-an imported model's: the same transformer_lm fields as char_lm's).
+A field's bad values are tried once per validator, not once per experiment that shares it:
+base_config's fields (the run's own checks) on one experiment; a model family's fields on
+the experiment of that family that sets the most of them away from the family's defaults
+(the most of its code switched on: for transformer_lm, moe_lm's routed experts, rotary
+positions, RMSNorm and SwiGLU); a data source's own fields likewise; any other field on its
+experiment. A new experiment adds cases only for the fields that no other experiment
+shares. Every field of every experiment has bad values tried somewhere, and can be set
+from the command line (the last two tests).
 """
 import functools
 import json
@@ -17,57 +22,118 @@ import signal
 import ml_collections
 import pytest
 
-from conftest import REPO, load_config
+from config_test import _parse_flags
+from conftest import REPO, experiment, load_config
 from zoo import data
 from zoo.errors import ConfigError
 from zoo.run import config as cfg
 from zoo.run import setup as setup_lib
 
-# Every experiment file but those whose config needs an argument (finetune_lm and
-# finetune_chat: an imported model's workdir; their model fields are transformer_lm's, as
-# char_lm's and bpe_lm's, and model.lora's are fuzzed by tests/lora_test.py's bad values).
+# The experiments whose config needs an argument (an imported model's workdir): their
+# fields are all shared with others (transformer_lm's, the tokens source's, the run's),
+# which the last tests check; model.lora's bad values are also tests/lora_test.py's.
 NEEDS_ARGUMENT = ('finetune_lm', 'finetune_chat')
-# The shared fields are tried on the first, the quickest to check.
-EXPERIMENTS = ('mlp_digits',) + tuple(sorted(
-    f[:-3] for f in os.listdir(os.path.join(REPO, 'experiments'))
-    if f.endswith('.py') and f[:-3] not in NEEDS_ARGUMENT + ('mlp_digits',)))
+ALL = tuple(sorted(f[:-3] for f in os.listdir(os.path.join(REPO, 'experiments'))
+                   if f.endswith('.py')))
+# The run's fields are tried on the first, the quickest to check; ties go to the earlier.
+EXPERIMENTS = ('mlp_digits',) + tuple(n for n in ALL if n not in NEEDS_ARGUMENT + ('mlp_digits',))
 SECONDS = 30  # A case's preflight bound: a value that makes it hang fails the test.
 
 
 def _leaves(node, prefix=''):
+  """(dotted name, value, declared type) of every field: a None field's type is its
+  placeholder's (NoneType for a plain None, which no command line can set)."""
   for key, value in node.items():
     name = f'{prefix}{key}'
     if isinstance(value, ml_collections.ConfigDict):
       yield from _leaves(value, name + '.')
+    elif value is not None:
+      yield name, value, type(value)
     else:
-      yield name, value
+      try:
+        yield name, value, node.get_ref(key).get_type()
+      except ValueError:
+        yield name, value, type(None)
 
 
-def _bad_values(value):
-  """What a user might type by mistake, for a field holding `value`."""
-  if isinstance(value, bool):
+RUN_FIELDS = {name for name, _, _ in _leaves(cfg.base_config())} - {'model.name', 'data.name'}
+
+
+def _owner(config, field: str) -> str:
+  """Whose check a field's value meets: the run's (base_config's fields), the model
+  family's, the data source's, or the experiment's own."""
+  if field in RUN_FIELDS:
+    return 'run'
+  group = field.split('.')[0]
+  if group in ('model', 'data'):
+    return f'{group} {config[group].name}'
+  return f'experiment {field}'
+
+
+def _away(config, owner: str) -> int:
+  """How many of the owner's fields `config` sets away from their defaults."""
+  group = owner.split()[0]
+  if group not in ('model', 'data'):
+    return 0
+  defaults = (cfg.model_config(config.model.name) if group == 'model' else
+              cfg.base_config().data)
+  default = {name: value for name, value, _ in _leaves(defaults)}
+  return sum(name not in default or default[name] != value
+             for name, value, _ in _leaves(config[group]))
+
+
+def _bad_values(value, kind=None):
+  """What a user might type by mistake, for a field holding `value` of type `kind`."""
+  kind = kind or type(value)
+  if kind is bool:
     return {'wrong type': 'abc'}
-  if isinstance(value, int):
+  if kind is int:
     return {'zero': 0, 'negative': -1, 'huge': 10**9, 'wrong type': 'abc'}
-  if isinstance(value, float):
+  if kind is float:
     return {'zero': 0.0, 'negative': -1.0, 'nan': math.nan, 'inf': math.inf, 'huge': 1e9,
             'wrong type': 'abc'}
-  if isinstance(value, str):
+  if kind is str:
     return {'unknown string': 'no-such-value', 'wrong type': 7}
-  if isinstance(value, tuple) and value and all(isinstance(v, int) for v in value):
+  if kind is tuple and value and all(isinstance(v, int) for v in value):
     return {'zeros': (0,) * len(value), 'negative': (-2,) * len(value),
             'huge': (10**9,) * len(value), 'wrong length': (1,) * (len(value) + 1)}
+  if kind is tuple and not value:  # Layer numbers, task names, a step range.
+    return {'unknown string': ('no-such-value',), 'negative': (-1,)}
+  if kind is tuple:  # Names (mesh axes, LoRA targets) or (logical axis, mesh axis) rules.
+    return {'unknown string': value[:-1] + ('no-such-value',), 'empty': ()}
   return {}
 
 
+@functools.lru_cache(maxsize=None)
+def _config(name):
+  return load_config(name)
+
+
+def _representatives() -> dict:
+  """{owner: the experiment its fields are tried on}."""
+  chosen = {}
+  for name in EXPERIMENTS:
+    config = _config(name)
+    for owner in {_owner(config, field) for field, _, _ in _leaves(config)}:
+      best = chosen.get(owner)
+      if best is None or _away(config, owner) > _away(_config(best), owner):
+        chosen[owner] = name
+  chosen['run'] = EXPERIMENTS[0]
+  return chosen
+
+
 def _cases():
-  shared = {name for name, _ in _leaves(cfg.base_config())} - {'model.name', 'data.name'}
-  for i, name in enumerate(EXPERIMENTS):
-    for field, value in _leaves(load_config(name)):
-      if (field in shared) != (i == 0):
-        continue  # Shared fields on the first experiment only.
-      for label, bad in _bad_values(value).items():
+  representatives = _representatives()
+  for name in EXPERIMENTS:
+    config = _config(name)
+    for field, value, kind in _leaves(config):
+      if representatives[_owner(config, field)] != name:
+        continue  # Tried on the experiment that represents its validator.
+      for label, bad in _bad_values(value, kind).items():
         yield pytest.param(name, field, bad, id=f'{name}-{field}-{label}')
+
+
+CASES = list(_cases())
 
 
 class _Hang(Exception):
@@ -107,7 +173,7 @@ def token_data(tmp_path_factory):
   return str(root / 'data')
 
 
-@pytest.mark.parametrize('experiment,field,value', list(_cases()))
+@pytest.mark.parametrize('experiment,field,value', CASES)
 def test_a_bad_value_is_accepted_or_refused_naming_its_field(experiment, field, value, devices,
                                                             token_data):
   config = load_config(experiment)
@@ -138,3 +204,57 @@ def test_a_bad_value_is_accepted_or_refused_naming_its_field(experiment, field, 
   finally:
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope='module')
+def every_config(tmp_path_factory):
+  """{experiment: (its --config argument, its config)} for every experiment file, those
+  that need an imported workdir given one (its config.json: a GPT-2-like import)."""
+  imported = tmp_path_factory.mktemp('imported')
+  (imported / 'config.json').write_text(json.dumps({'model': {
+      'name': 'transformer_lm', 'num_layers': 1, 'd_model': 16, 'num_heads': 2, 'mlp_dim': 64,
+      'max_len': 32, 'vocab_size': 257, 'use_bias': True, 'tie_embeddings': True,
+      'num_kv_heads': None}}))
+  args = {name: f'{imported},smoke' if name in NEEDS_ARGUMENT else 'smoke' for name in ALL}
+  return {name: (arg, load_config(name, arg)) for name, arg in args.items()}
+
+
+def test_every_field_of_every_experiment_has_bad_values_tried(every_config):
+  """Each field of each experiment (the imported models' too) has bad values of its type,
+  tried on the experiment that represents its validator; a field no case reaches (as
+  moe_lm's model.vocab_size=None once was) fails here."""
+  tried = {(_owner(_config(name), field), field) for name, field, _ in
+           (case.values for case in CASES)}
+  assert len(tried) > 100
+  missing = [f'{name}: {field}={value!r}' for name, (_, config) in every_config.items()
+             for field, value, kind in _leaves(config)
+             if not _bad_values(value, kind) or (_owner(config, field), field) not in tried]
+  assert not missing, missing
+
+
+def _flag_value(value, kind):
+  """A command-line value of `kind` other than `value` where there is one."""
+  if kind is bool:
+    return str(not value), not value
+  if kind in (int, float):
+    new = kind(7) if value is None else value + kind(1)
+    return repr(new), new
+  if kind is str:
+    return value + 'x', value + 'x'
+  return repr(value), value
+
+
+@pytest.mark.parametrize('name', ALL)
+def test_every_field_of_every_experiment_is_settable_from_the_command_line(name, every_config):
+  """`--config.X=V` reaches the config for every field X of the experiment, the fields
+  whose default is None included (a plain None is refused by the flag parser: 'Type
+  NoneType ... is not supported for overriding')."""
+  arg, config = every_config[name]
+  fields = [(field, *_flag_value(value, kind)) for field, value, kind in _leaves(config)]
+  parsed = _parse_flags([f'--config={experiment(name)}:{arg}'] +
+                        [f'--config.{field}={text}' for field, text, _ in fields])
+  for field, _, want in fields:
+    node = parsed
+    for key in field.split('.'):
+      node = node[key]
+    assert node == want, (field, node, want)

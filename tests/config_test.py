@@ -90,7 +90,7 @@ def test_text_too_short_for_seq_len(tmp_path, devices):
 
 def test_batch_axes_follow_flax_first_matching_rule():
   config = load_config('mlp_digits', **{
-      'logical_axis_rules': sharding.standard_rules() + [('act_batch', 'model')]})
+      'logical_axis_rules': sharding.standard_rules() + (('act_batch', 'model'),)})
   assert sharding.batch_mesh_axes(config.logical_axis_rules) == ('batch',)
 
 

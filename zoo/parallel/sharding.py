@@ -52,23 +52,25 @@ LOGICAL_AXES = {
 }
 
 
-def standard_rules() -> list[tuple]:
-  """The default rules: a list of (logical name, mesh axis or None), Flax's convention."""
-  return [(name, axis) for name, (axis, _) in LOGICAL_AXES.items()]
+def standard_rules() -> tuple:
+  """The default rules: (logical name, mesh axis or None) pairs, Flax's convention. Rules
+  are tuples, so that config.logical_axis_rules is a field the command line can set
+  (--config.logical_axis_rules="(('embed', 'batch'), ...)"; a list is not)."""
+  return tuple((name, axis) for name, (axis, _) in LOGICAL_AXES.items())
 
 
-def fsdp_rules() -> list[tuple]:
+def fsdp_rules() -> tuple:
   """Standard rules plus FSDP (ZeRO-3 style): parameters' 'embed' axis split over 'batch'.
 
   Every weight matrix touches 'embed', so parameter and optimizer bytes per device fall
   roughly as 1/(batch shards); each layer's weights are all-gathered as it runs, and
   their gradients reduce-scattered. Activations keep their own names and are unchanged.
   """
-  return [(name, 'batch' if name in ('embed', 'expert_embed') else axis)
-          for name, axis in standard_rules()]
+  return tuple((name, 'batch' if name in ('embed', 'expert_embed') else axis)
+               for name, axis in standard_rules())
 
 
-def expert_rules(rules: Sequence) -> list[tuple]:
+def expert_rules(rules: Sequence) -> tuple:
   """`rules` plus expert parallelism over a mesh axis 'expert', for a mesh.axes that has
   one (on a mesh without it these are `rules` again, see for_mesh): the routed experts
   split over it, and so does everything the rules split over 'batch' (the batch itself,
@@ -78,7 +80,7 @@ def expert_rules(rules: Sequence) -> list[tuple]:
   rules = rules_tuple(rules)
   wider = [(name, mesh_axes_of(axis) + ('expert',)) for name, axis in rules
            if 'batch' in mesh_axes_of(axis)]
-  return [('experts', 'expert'), *wider, *rules]
+  return (('experts', 'expert'), *wider, *rules)
 
 
 def for_mesh(rules: Sequence, mesh_axes: Sequence[str]) -> tuple:

@@ -9,10 +9,12 @@ import importlib.util
 import json
 import math
 import os
+import typing
 from typing import Any, Optional
 
 import jax
 import ml_collections
+from ml_collections import config_dict
 
 from zoo import data, models
 from zoo.data import choice
@@ -101,17 +103,31 @@ _NOT_KEYS = ('parent', 'name', 'decode')
 def model_config(name: str, **fields) -> ml_collections.ConfigDict:
   """config.model for family `name`: `fields`, then every other field its module declares
   with a default (the documented model keys), so that a command line can set any of them.
-  `lora` gets every projection of the model's MLP as its targets, at rank 0 (none)."""
+  A field given as None ("the data's") is a placeholder of the module's type for it, which
+  `--config.model.X=` can still set. `lora` gets every projection of the model's MLP as its
+  targets, at rank 0 (none)."""
   values = {'name': name, **fields}
   if name not in models.MODELS:  # validate_model names the field.
     return ml_collections.ConfigDict(values)
-  for f in dataclasses.fields(models.MODELS[name].module):
+  module = models.MODELS[name].module
+  for f in dataclasses.fields(module):
     if f.name in values or f.name in _NOT_KEYS or f.default is dataclasses.MISSING:
       continue
     values[f.name] = f.default
+  declared = typing.get_type_hints(module)
+  for key, value in values.items():
+    if value is None and key in declared:
+      values[key] = config_dict.placeholder(_not_none(declared[key]))
   if isinstance(values.get('lora'), lora_lib.Lora):
     values['lora'] = _lora(values, rank=0, alpha=0.0)
   return ml_collections.ConfigDict(values)
+
+
+def _not_none(annotation: Any) -> type:
+  """int of Optional[int]; the annotation itself otherwise."""
+  args = [a for a in typing.get_args(annotation) if a is not type(None)]
+  return args[0] if typing.get_origin(annotation) is typing.Union and len(args) == 1 else (
+      annotation)
 
 
 def _lora(model: Any, rank: int, alpha: float) -> ml_collections.ConfigDict:
@@ -324,7 +340,7 @@ def _validate_rules(rules, mesh_axes):
     for a in sharding.mesh_axes_of(axis):
       if a not in mesh_axes and a not in sharding.OPTIONAL_MESH_AXES:
         fail('logical_axis_rules', f'rule ({name!r}, {axis!r}) names mesh axis {a!r}, '
-             f'but the mesh axes are {tuple(mesh_axes)}')
+             f'but mesh.axes is {tuple(mesh_axes)}; add {a!r} to mesh.axes or change the rule')
 
 
 def validate_with_data(config: ml_collections.ConfigDict, dataset: Dataset,
