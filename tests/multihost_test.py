@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -45,14 +46,24 @@ def one_process(tmp_path_factory):
   return _losses(workdir)[0]
 
 
-def test_two_processes_match_one(one_process, tmp_path):
-  result = launch(*FLAGS, f'--workdir={tmp_path}', f'--config.train.steps={3 * STEPS}',
+@pytest.fixture(scope='module')
+def two_processes(tmp_path_factory):
+  """2 processes x 4 devices on (4,2), 3 x STEPS steps, a checkpoint every STEPS: the launch
+  test_two_processes_match_one checks and test_checkpoints_move_between_process_counts
+  resumes from (each test reads it, or a copy of it)."""
+  workdir = tmp_path_factory.mktemp('two')
+  result = launch(*FLAGS, f'--workdir={workdir}', f'--config.train.steps={3 * STEPS}',
                   '--config.mesh.shape=(4,2)')
+  return workdir, result
+
+
+def test_two_processes_match_one(one_process, two_processes):
+  workdir, result = two_processes
   assert result.returncode == 0, result.stdout[-3000:]
-  losses, steps = _losses(str(tmp_path))
+  losses, steps = _losses(str(workdir))
   assert steps == list(range(1, 3 * STEPS + 1))  # Only process 0 writes metrics.
   np.testing.assert_allclose(losses, one_process, rtol=2e-5)
-  with open(tmp_path / 'model_info.json', encoding='utf-8') as f:  # Each holds 2 'batch' rows.
+  with open(workdir / 'model_info.json', encoding='utf-8') as f:  # Each holds 2 'batch' rows.
     assert json.load(f)['mesh_processes'] == [[0, 0], [0, 0], [1, 1], [1, 1]]
   for i in (0, 1):  # Both processes ran the same steps with the same losses.
     assert f'[process {i}] ' in result.stdout
@@ -73,12 +84,12 @@ def test_hybrid_mesh_places_slices_along_the_dcn_axes(dcn, layout, one_process, 
   np.testing.assert_allclose(_losses(str(tmp_path))[0], one_process, rtol=2e-5)
 
 
-def test_checkpoints_move_between_process_counts(one_process, tmp_path):
+def test_checkpoints_move_between_process_counts(one_process, two_processes, tmp_path):
   """2 processes write; 1 process with 2 devices resumes; 2 processes resume from its step."""
-  workdir = f'--workdir={tmp_path}'
-  result = launch(*FLAGS, workdir, f'--config.train.steps={3 * STEPS}', '--config.mesh.shape=(4,2)',
-                  f'--config.checkpoint.every_steps={STEPS}', processes=2)
+  written, result = two_processes  # 2 processes on (4,2), a checkpoint every STEPS.
   assert result.returncode == 0, result.stdout[-3000:]
+  shutil.copytree(written, tmp_path, dirs_exist_ok=True)  # test_two_processes_match_one reads it.
+  workdir = f'--workdir={tmp_path}'
   # Keep only step STEPS, as if the 2-process job had been stopped there.
   for step in (2 * STEPS, 3 * STEPS):
     os.rename(tmp_path / 'checkpoints' / str(step), tmp_path / f'set_aside_{step}')
