@@ -73,6 +73,13 @@ def imported(hf_dirs, tmp_path_factory):
           for name, (path, _) in hf_dirs.items()}
 
 
+@pytest.fixture(scope='module')
+def ft_data(imported, tmp_path_factory):
+  """What both fine-tunes of the imported Qwen3-MoE train on: zoo.prepare's token data in
+  its tokenizer."""
+  return prepared_text(imported['qwen3_moe'][0], tmp_path_factory.mktemp('ft'))
+
+
 def _logits(setup, workdir, x):
   with setup.scope():
     params, _, _ = checkpoint.restore_params(workdir, setup.abstract_state().params)
@@ -196,8 +203,8 @@ def test_a_device_reads_only_the_experts_it_holds(hf_dirs, tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize('lora', [False, True])
-def test_fine_tuning_an_imported_moe_learns_and_exports(lora, hf_dirs, imported, tmp_path,
-                                                       devices):
+def test_fine_tuning_an_imported_moe_learns_and_exports(lora, hf_dirs, imported, ft_data,
+                                                       tmp_path, devices):
   """finetune_lm:smoke on the imported Qwen3-MoE (routed experts and a dense layer) learns;
   fully, its export loads in transformers with the trained logits; with LoRA (attention
   projections: routed experts take none) only the adapters train and the PEFT export on
@@ -205,9 +212,8 @@ def test_fine_tuning_an_imported_moe_learns_and_exports(lora, hf_dirs, imported,
   from zoo.run import config as cfg, train  # pylint: disable=import-outside-toplevel
   del devices
   workdir, _ = imported['qwen3_moe']
-  data = prepared_text(workdir, tmp_path)
   c = cfg.load_experiment(experiment('finetune_lm'), f'{workdir},smoke' + (',lora' if lora else ''))
-  c.data.path, c.mesh.shape, c.train.log_every_steps = data, (4, 2), 1
+  c.data.path, c.mesh.shape, c.train.log_every_steps = ft_data, (4, 2), 1
   run = str(tmp_path / 'run')
   train.train_and_evaluate(c, run)
   losses = [r['train/loss'] for r in read_metrics(run) if 'train/loss' in r]

@@ -3,9 +3,11 @@ mesh, expert axis included, forward and gradients; drops are exactly the rows a 
 a bounded buffer turns away, and counted; the grouped matmuls agree; the router losses are
 Hugging Face's; experiments/moe_lm.py resumes bit-exactly and on another mesh; the TPU
 compiler gets Megablox and ragged all-to-all."""
+import functools
 import importlib.util
 import math
 import re
+import shutil
 
 import flax.linen as nn
 import jax
@@ -36,14 +38,19 @@ MESHES = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _inputs(seed=0, shape=(8, 4, D)):
-  """Inputs and parameters of order 1 (decisive routing, outputs well above rounding)."""
-  x = jax.random.normal(jax.random.key(seed), shape)
-  boxed = moe.MoeBlock(moe.Moe(E, K, F)).init(jax.random.key(1), x)['params']
-  keys = iter(jax.random.split(jax.random.key(2), 8))
-  params = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape) / math.sqrt(p.shape[-2]),
-                        nn.meta.unbox(boxed))
-  return params, x
+  """Inputs and parameters of order 1 (decisive routing, outputs well above rounding), made
+  once per shape in one program (numpy arrays: the tests' layers place them on their mesh)."""
+  def make():
+    x = jax.random.normal(jax.random.key(seed), shape)
+    boxed = jax.eval_shape(lambda x: moe.MoeBlock(moe.Moe(E, K, F)).init(jax.random.key(1), x),
+                           x)['params']
+    keys = iter(jax.random.split(jax.random.key(2), 8))
+    params = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape) / math.sqrt(
+        p.shape[-2]), nn.meta.unbox(boxed))
+    return params, x
+  return jax.tree.map(np.asarray, jax.jit(make)())
 
 
 def _reference(params, x, kept=None, norm_topk_prob=True):
@@ -59,24 +66,39 @@ def _reference(params, x, kept=None, norm_topk_prob=True):
   return jnp.einsum('BLEF,EFD,BLE->BLD', h, params['wo'], weights)
 
 
-def _layer(settings, mesh_name=None):
-  """(y, statistics) and the gradient of sum(y^2) with respect to params and x, jitted on
-  the named mesh (or without one)."""
+@jax.jit
+def _dense(params, x, kept=None):
+  """The reference's output and the gradient of sum(y^2) with respect to params and x, in
+  one program (the reference op by op would compile a program per op and shape)."""
+  return _reference(params, x, kept), jax.grad(
+      lambda p, x: jnp.sum(_reference(p, x, kept) ** 2), argnums=(0, 1))(params, x)
+
+
+@jax.jit
+def _routed(params, x):
+  """The experts each token chooses [B, L, K], as the reference routes."""
+  return moe.route(jnp.einsum('BLD,DE->BLE', x, params['router']), K, True)[1]
+
+
+def _layer(settings, mesh_name=None, grad=True):
+  """A function of (params, x) giving (y, statistics) and, with `grad`, the gradient of
+  sum(y^2) with respect to params and x: the layer's forward as it runs alone and its
+  gradient, in one program jitted on the named mesh (or without one)."""
   block = moe.MoeBlock(settings)
   fwd = lambda p, x: block.apply({'params': p}, x)
-  grad = jax.grad(lambda p, x: jnp.sum(fwd(p, x)[0] ** 2), argnums=(0, 1))
+  both = lambda p, x: (fwd(p, x), jax.grad(lambda p, x: jnp.sum(fwd(p, x)[0] ** 2),
+                                           argnums=(0, 1))(p, x))
+  f = jax.jit(both if grad else fwd)
   if mesh_name is None:
-    return jax.jit(fwd), jax.jit(grad)
+    return f
   axes, shape, rules = MESHES[mesh_name]
   mesh = mesh_lib.make_mesh(shape, axes)
   rules = sharding.for_mesh(rules, axes)
 
-  def scoped(f):
-    def run(*args):
-      with sharding.scope(mesh, rules):
-        return jax.jit(f)(*args)
-    return run
-  return scoped(fwd), scoped(grad)
+  def run(*args):
+    with sharding.scope(mesh, rules):
+      return f(*args)
+  return run
 
 
 def _assert_close(got, want, what):
@@ -91,13 +113,11 @@ def test_dropless_layer_equals_the_dense_reference(mesh_name, devices):
   expert run on every token, nothing dropped: data, tensor, FSDP and expert-parallel."""
   del devices
   params, x = _inputs()
-  fwd, grad = _layer(moe.Moe(E, K, F), mesh_name)
-  (y, stats), grads = fwd(params, x), grad(params, x)
-  want = _reference(params, x)
+  (y, stats), grads = _layer(moe.Moe(E, K, F), mesh_name)(params, x)
+  want, want_grads = _dense(params, x)
   assert float(jnp.abs(want).mean()) > 0.1  # Far above the tolerance.
   _assert_close(y, want, 'y')
-  _assert_close(grads, jax.grad(lambda p, x: jnp.sum(_reference(p, x) ** 2), argnums=(0, 1))(
-      params, x), 'grad')
+  _assert_close(grads, want_grads, 'grad')
   assert float(stats['dropped']) == 0.0
 
 
@@ -124,16 +144,14 @@ def test_a_capacity_drops_exactly_the_rows_beyond_it_and_counts_them(mesh_name, 
   the output is the reference without the others, and `dropped` is their fraction."""
   del devices
   params, x = _inputs(shape=(8, 16, D))
-  fwd, _ = _layer(moe.Moe(E, K, F, capacity_factor=0.5), mesh_name)
-  y, stats = fwd(params, x)
-  ids = moe.route(jnp.einsum('BLD,DE->BLE', x, params['router']), K, True)[1]
+  y, stats = _layer(moe.Moe(E, K, F, capacity_factor=0.5), mesh_name, grad=False)(params, x)
   rows = 16 * K  # One row of the batch per device, 16 tokens, 2 choices each.
-  kept = _kept(ids, 8, math.ceil(0.5 * rows / E), lambda e: e)
+  kept = _kept(_routed(params, x), 8, math.ceil(0.5 * rows / E), lambda e: e)
   assert 0 < (~kept).sum()
-  _assert_close(y, _reference(params, x, kept), 'y')
+  _assert_close(y, _dense(params, x, kept)[0], 'y')
   assert float(stats['dropped']) == pytest.approx((~kept).mean())
-  fwd, _ = _layer(moe.Moe(E, K, F, capacity_factor=float(E)), mesh_name)  # Room for all.
-  _assert_close(fwd(params, x)[0], _reference(params, x), 'y')
+  roomy = _layer(moe.Moe(E, K, F, capacity_factor=float(E)), mesh_name, grad=False)  # All fit.
+  _assert_close(roomy(params, x)[0], _dense(params, x, np.ones_like(kept))[0], 'y')
 
 
 def test_a_bounded_expert_buffer_drops_exactly_what_does_not_fit_and_counts_it(devices):
@@ -141,15 +159,13 @@ def test_a_bounded_expert_buffer_drops_exactly_what_does_not_fit_and_counts_it(d
   0.5 x rows / 4 per pair of devices): the rows past a slab are dropped, and counted."""
   del devices
   params, x = _inputs(shape=(8, 16, D))
-  fwd, grad = _layer(moe.Moe(E, K, F, buffer=0.5), 'expert 4 fsdp')
-  y, stats = fwd(params, x)
-  ids = moe.route(jnp.einsum('BLD,DE->BLE', x, params['router']), K, True)[1]
-  kept = _kept(ids, 8, math.ceil(0.5 * 16 * K / 4), lambda e: e // (E // 4))
+  (y, stats), grads = _layer(moe.Moe(E, K, F, buffer=0.5), 'expert 4 fsdp')(params, x)
+  kept = _kept(_routed(params, x), 8, math.ceil(0.5 * 16 * K / 4), lambda e: e // (E // 4))
   assert 0 < (~kept).sum()
-  _assert_close(y, _reference(params, x, kept), 'y')
+  want, want_grads = _dense(params, x, kept)
+  _assert_close(y, want, 'y')
   assert float(stats['dropped']) == pytest.approx((~kept).mean())
-  _assert_close(grad(params, x), jax.grad(lambda p, x: jnp.sum(_reference(p, x, kept) ** 2),
-                                          argnums=(0, 1))(params, x), 'grad')
+  _assert_close(grads, want_grads, 'grad')
 
 
 def test_megablox_interpreted_equals_ragged_dot(devices):
@@ -160,10 +176,10 @@ def test_megablox_interpreted_equals_ragged_dot(devices):
   w = jax.random.normal(jax.random.key(1), (4, 128, 128)) / 10
   sizes = jnp.array([5, 0, 20, 9], jnp.int32)  # 34 of 40 rows in groups.
   out = {}
-  for method in ('ragged_dot', 'megablox'):
-    f = lambda r, w, m=method: moe.grouped_matmul(r, w, sizes, m, jnp.float32)
-    out[method] = (f(rows, w), jax.grad(lambda r, w, f=f: jnp.sum(f(r, w) ** 2),
-                                        argnums=(0, 1))(rows, w))
+  for method in ('ragged_dot', 'megablox'):  # Each one's product and gradient: one program.
+    f = lambda r, w, s, m=method: moe.grouped_matmul(r, w, s, m, jnp.float32)
+    out[method] = jax.jit(lambda r, w, s, f=f: (f(r, w, s), jax.grad(
+        lambda r, w: jnp.sum(f(r, w, s) ** 2), argnums=(0, 1))(r, w)))(rows, w, sizes)
   assert float(jnp.abs(out['megablox'][0][34:]).max()) == 0.0
   _assert_close(out['megablox'], out['ragged_dot'], 'megablox')
 
@@ -178,19 +194,19 @@ def test_router_losses_are_hugging_faces(devices):
                                        vocab_size=16, max_len=8, num_experts=E,
                                        experts_per_token=K, router_aux_coef=0.5,
                                        router_z_coef=0.25)
-  logits = [jax.random.normal(jax.random.key(i), (2, 5, E)) * 2 for i in range(2)]
-  stats = [moe.statistics(l, moe.route(l, K, True)[1], None, jnp.zeros(())) for l in logits]
-  aux, metrics = transformer_lm.router_losses(model, stats)
+  # Each layer's statistics of its router logits, pooled by router_losses: one program.
+  losses = jax.jit(lambda logits: transformer_lm.router_losses(model, [
+      moe.statistics(l, moe.route(l, K, True)[1], None, jnp.zeros(())) for l in logits]))
+  logits = [np.asarray(jax.random.normal(jax.random.key(i), (2, 5, E))) * 2 for i in range(2)]
+  aux, metrics = losses(logits)
   want = modeling_mixtral.load_balancing_loss_func(
-      tuple(torch.tensor(np.asarray(l).reshape(-1, E)) for l in logits), E, K)
+      tuple(torch.tensor(l.reshape(-1, E)) for l in logits), E, K)
   assert float(metrics['moe/balance_loss']) == pytest.approx(float(want), rel=1e-5)
-  z = np.mean([np.square(jax.nn.logsumexp(l, axis=-1)) for l in logits])
+  z = np.mean([np.square(np.logaddexp.reduce(l.astype(np.float64), axis=-1)) for l in logits])
   assert float(metrics['moe/z_loss']) == pytest.approx(float(z), rel=1e-5)
   assert float(aux) == pytest.approx(0.5 * float(want) + 0.25 * float(z), rel=1e-5)
-  uniform = [moe.statistics(jnp.zeros((2, 5, E)), moe.route(jnp.zeros((2, 5, E)), K, True)[1],
-                            None, jnp.zeros(()))] * 2
-  assert float(transformer_lm.router_losses(model, uniform)[1]['moe/balance_loss']) == \
-      pytest.approx(K)
+  uniform = [np.zeros((2, 5, E), np.float32)] * 2
+  assert float(losses(uniform)[1]['moe/balance_loss']) == pytest.approx(K)
 
 
 def test_the_plan_and_flops_count_the_experts_a_token_meets(devices):
@@ -222,29 +238,45 @@ def _losses(workdir):
   return {r['step']: r['train/loss'] for r in read_metrics(workdir) if 'train/loss' in r}
 
 
-def test_moe_lm_resumes_bit_exactly_and_on_another_mesh(tmp_path, monkeypatch, devices):
+# moe_lm:smoke for 6 steps, each logged, evaluated and saved at the last.
+STEPS = {'train.steps': 6, 'train.log_every_steps': 1, 'eval.every_steps': 6,
+         'checkpoint.every_steps': 6}
+
+
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory):
+  """moe_lm:smoke,ep trained straight (one process of 8 devices, an expert axis of 4): the
+  run the resumed runs and the two-process run must reproduce. Its workdir."""
+  from zoo.run import train  # pylint: disable=import-outside-toplevel
+  workdir = tmp_path_factory.mktemp('straight')
+  train.train_and_evaluate(load_config('moe_lm', 'smoke,ep', **STEPS,
+                                       **{'checkpoint.async_save': False}), str(workdir))
+  return workdir
+
+
+def test_moe_lm_resumes_bit_exactly_and_on_another_mesh(straight, tmp_path, monkeypatch,
+                                                       devices):
   """moe_lm on an expert axis of 4, stopped (as by SIGTERM) during step 3 and resumed:
   every logged loss equals a straight run's exactly; resumed instead on a mesh without an
   expert axis (4, 2), it trains on within float32 rounding. Each row logs the router's
   figures."""
   del devices
   from zoo.run import train  # pylint: disable=import-outside-toplevel
-  base = {'train.steps': 6, 'train.log_every_steps': 1, 'eval.every_steps': 6,
-          'checkpoint.every_steps': 6, 'checkpoint.async_save': False}
-  train.train_and_evaluate(load_config('moe_lm', 'smoke,ep', **base), str(tmp_path / 'straight'))
+  base = {**STEPS, 'checkpoint.async_save': False}
   stop_at(monkeypatch, 3)
-  for name in ('resumed', 'moved'):
-    train.train_and_evaluate(load_config('moe_lm', 'smoke,ep', **base), str(tmp_path / name))
-  monkeypatch.undo()
   train.train_and_evaluate(load_config('moe_lm', 'smoke,ep', **base), str(tmp_path / 'resumed'))
-  straight = _losses(tmp_path / 'straight')
-  assert _losses(tmp_path / 'resumed') == straight and sorted(straight) == list(range(1, 7))
+  monkeypatch.undo()
+  # The run stopped at step 3, twice: resumed on its mesh, and moved to another.
+  shutil.copytree(tmp_path / 'resumed', tmp_path / 'moved')
+  train.train_and_evaluate(load_config('moe_lm', 'smoke,ep', **base), str(tmp_path / 'resumed'))
+  want = _losses(straight)
+  assert _losses(tmp_path / 'resumed') == want and sorted(want) == list(range(1, 7))
   train.train_and_evaluate(load_config('moe_lm', 'smoke', **base, **{'mesh.shape': (4, 2)}),
                            str(tmp_path / 'moved'))
   moved = _losses(tmp_path / 'moved')
-  np.testing.assert_allclose([moved[s] for s in range(4, 7)], [straight[s] for s in range(4, 7)],
+  np.testing.assert_allclose([moved[s] for s in range(4, 7)], [want[s] for s in range(4, 7)],
                              rtol=2e-5)
-  row = [r for r in read_metrics(tmp_path / 'straight') if 'train/loss' in r][-1]
+  row = [r for r in read_metrics(straight) if 'train/loss' in r][-1]
   for key in ('balance_loss', 'z_loss', 'dropped', 'layer_1/load_max', 'layer_1/load_min',
               'layer_1/entropy', 'layer_1/dropped'):
     assert np.isfinite(row[f'train/moe/{key}']), key
@@ -394,30 +426,27 @@ def test_the_ragged_exchange_of_tpus_and_gpus_equals_the_reference(buffer, monke
   monkeypatch.setattr(moe, 'RAGGED_ALL_TO_ALL', ('cpu',))
   monkeypatch.setattr(jax.lax, 'ragged_all_to_all', _ragged_all_to_all)
   params, x = _inputs(shape=(8, 16, D))
-  fwd, grad = _layer(moe.Moe(E, K, F, buffer=buffer), 'expert 4 fsdp')
-  y, stats = fwd(params, x)
-  ids = moe.route(jnp.einsum('BLD,DE->BLE', x, params['router']), K, True)[1]
-  kept = _kept_in_buffers(ids, 2, 4, math.ceil(buffer * 16 * K) if buffer else 4 * 16 * K)
+  (y, stats), grads = _layer(moe.Moe(E, K, F, buffer=buffer), 'expert 4 fsdp')(params, x)
+  kept = _kept_in_buffers(_routed(params, x), 2, 4,
+                          math.ceil(buffer * 16 * K) if buffer else 4 * 16 * K)
   assert (~kept).any() == bool(buffer)
-  _assert_close(y, _reference(params, x, kept), 'y')
+  want, want_grads = _dense(params, x, kept)
+  _assert_close(y, want, 'y')
   assert float(stats['dropped']) == pytest.approx((~kept).mean())
-  _assert_close(grad(params, x), jax.grad(lambda p, x: jnp.sum(_reference(p, x, kept) ** 2),
-                                          argnums=(0, 1))(params, x), 'grad')
+  _assert_close(grads, want_grads, 'grad')
 
 
-def test_experts_split_over_two_processes_train_as_one_process(tmp_path, devices):
+def test_experts_split_over_two_processes_train_as_one_process(straight, tmp_path, devices):
   """2 processes x 4 devices, an expert axis of 8 spanning both (each device one expert,
-  rows crossing processes by all-to-all): the same losses as one process of 8 devices."""
+  rows crossing processes by all-to-all): the same losses as one process of 8 devices (the
+  straight run, its experts over an axis of 4: the same math on every mesh)."""
   del devices
   from multihost_test import launch  # pylint: disable=import-outside-toplevel
-  from zoo.run import train  # pylint: disable=import-outside-toplevel
-  settings = {'train.steps': 4, 'train.log_every_steps': 1, 'eval.every_steps': 4,
-              'checkpoint.every_steps': 4, 'mesh.shape': (1, 8, 1)}
-  train.train_and_evaluate(load_config('moe_lm', 'smoke,ep', **settings), str(tmp_path / 'one'))
+  settings = {**STEPS, 'mesh.shape': (1, 8, 1)}
   result = launch(f'--config={experiment("moe_lm")}:smoke,ep', f'--workdir={tmp_path / "two"}',
                   *(f'--config.{k}={v}' for k, v in settings.items()))
   assert result.returncode == 0, result.stdout[-3000:]
-  one, two = _losses(tmp_path / 'one'), _losses(tmp_path / 'two')
-  assert sorted(two) == [1, 2, 3, 4]
+  one, two = _losses(straight), _losses(tmp_path / 'two')
+  assert sorted(two) == [1, 2, 3, 4, 5, 6]
   np.testing.assert_allclose([two[s] for s in sorted(two)], [one[s] for s in sorted(two)],
                              rtol=2e-5)
