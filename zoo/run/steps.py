@@ -55,8 +55,11 @@ def state_initializer(model: nn.Module, optimizer: optax.GradientTransformation,
     variables = model.init({'params': rng, 'dropout': rng}, *task.model_inputs(example_batch),
                            **task.model_keywords(example_batch))
     params = variables['params']
+    # A strongly typed step: a restored one is, and a weakly typed 0 would make a fresh run's
+    # train step (which feeds the step to the learning-rate schedule) another program than a
+    # resumed run's, compiled again on every restart.
     return TrainState(
-        step=0, apply_fn=model.apply, params=params, tx=optimizer,
+        step=jnp.zeros((), jnp.int32), apply_fn=model.apply, params=params, tx=optimizer,
         opt_state=optimizer.init(split(params, trainable)[0] if trainable else params),
         model_state={k: variables[k] for k in STATE_COLLECTIONS if k in variables})
   return init_state
