@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -52,8 +53,11 @@ def _train_losses(workdir):
 
 @pytest.fixture(scope='module')
 def reference(tmp_path_factory):
+  """(losses, final eval row) of the run that never died. It saves once, at the end: how
+  often a run saves changes nothing it computes."""
   workdir = str(tmp_path_factory.mktemp('reference'))
-  train.train_and_evaluate(load_config('mlp_digits', **FLAGS), workdir)
+  train.train_and_evaluate(load_config('mlp_digits', **{**FLAGS, 'checkpoint.every_steps': STEPS}),
+                           workdir)
   return _train_losses(workdir), read_metrics(workdir)[-1]
 
 
@@ -92,40 +96,50 @@ def test_sigkill_at_a_random_moment_then_resume(reference, tmp_path):
       f'temporary dirs remain ({moment})'
 
 
-def test_sigterm_saves_the_current_step_and_exits_zero(tmp_path):
-  workdir = str(tmp_path / 'run')
-  with open(tmp_path / 'stderr.log', 'w+', encoding='utf-8') as log:
-    proc = _start(workdir, log, *_args(workdir))
-    _wait_for_step(workdir, proc, 3)
+# The run stopped by SIGTERM: SIGTERM comes after step 4 or so, long before its end (the
+# margin keeps a busy machine from finishing the run before the signal lands).
+STOPPED_RUN = {'train.steps': STEPS, 'eval.every_steps': 2}
+
+
+@pytest.fixture(scope='module')
+def stopped(tmp_path_factory):
+  """A run with a fresh --compilation_cache_dir, evaluating every other step, sent SIGTERM
+  once it has trained and evaluated: what the SIGTERM test checks of how it stopped (taken
+  at once, before the cache test restarts it), and the arguments to restart it."""
+  root = tmp_path_factory.mktemp('stopped')
+  workdir = str(root / 'run')
+  args = [*_args(workdir, **STOPPED_RUN), f'--compilation_cache_dir={root / "cache"}']
+  with open(root / 'first.log', 'w+', encoding='utf-8') as log:
+    proc = _start(workdir, log, *args)
+    _wait_for_step(workdir, proc, 5)  # Rows of steps 1, 2 and the eval at 2 (+ margin).
     sent = time.time()
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=60)
     elapsed = time.time() - sent
     log.seek(0)
     stderr = log.read()
-  assert rc == 0, stderr[-3000:]
-  assert elapsed < 10, f'took {elapsed:.1f} s to stop'
-  last_logged = max(_train_losses(workdir))
-  saved = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')) if s.isdigit())
-  assert last_logged < STEPS and saved[-1] == last_logged
-  assert f'stop requested (SIGTERM or preemption) at step {last_logged}' in stderr
+  return types.SimpleNamespace(
+      args=args, rc=rc, elapsed=elapsed, stderr=stderr, last_logged=max(_train_losses(workdir)),
+      saved=sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))
+                   if s.isdigit()))
 
 
-def test_restart_with_a_warm_compilation_cache_compiles_nothing(tmp_path):
+def test_sigterm_saves_the_current_step_and_exits_zero(stopped):
+  assert stopped.rc == 0, stopped.stderr[-3000:]
+  assert stopped.elapsed < 10, f'took {stopped.elapsed:.1f} s to stop'
+  last_logged, saved = stopped.last_logged, stopped.saved
+  assert last_logged < STOPPED_RUN['train.steps'] and saved[-1] == last_logged
+  assert f'stop requested (SIGTERM or preemption) at step {last_logged}' in stopped.stderr
+
+
+def test_restart_with_a_warm_compilation_cache_compiles_nothing(stopped):
   """Stopped by SIGTERM after it has trained and evaluated, then restarted: every program
   (init, train and eval steps, the rest) comes from --compilation_cache_dir."""
-  workdir, cache = str(tmp_path / 'run'), f'--compilation_cache_dir={tmp_path / "cache"}'
-  args = _args(workdir, **{'eval.every_steps': 2})
-  with open(tmp_path / 'first.log', 'w+', encoding='utf-8') as log:
-    proc = _start(workdir, log, *args, cache)
-    _wait_for_step(workdir, proc, 5)  # Rows of steps 1, 2 and the eval at 2 (+ margin).
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-    log.seek(0)
-    first = log.read()
+  args, first = stopped.args, stopped.stderr
+  assert stopped.rc == 0, first[-3000:]
   assert re.search(r'XLA compilation cache: 0 programs loaded from the cache, [1-9]\d* compiled',
                    first), first[-2000:]
-  result = run_cli(*args, cache)
+  result = run_cli(*args)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'resuming from step' in result.stderr
   loaded = re.search(r'XLA compilation cache: (\d+) programs loaded from the cache, 0 compiled',

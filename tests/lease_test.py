@@ -17,16 +17,20 @@ from storage_test import ORBAX_INFO
 from zoo.store import lease
 
 
-def _args(workdir, steps):
+def _args(workdir, steps):  # (A constant learning rate: runs of any length, one compile.)
   return [f'--config={experiment("mlp_digits")}:smoke', f'--workdir={workdir}',
           f'--config.train.steps={steps}', '--config.train.log_every_steps=1',
-          f'--config.eval.every_steps={steps}', '--config.checkpoint.every_steps=2']
+          f'--config.eval.every_steps={steps}', '--config.checkpoint.every_steps=2',
+          '--config.optimizer.schedule=constant']
 
 
 def _write_lease(workdir, **fields):
+  """Another job's lease, written as a job writes it: whole, by a rename (a reader never
+  sees the file empty or half written, which it would take for no lease at all)."""
   owner = {'host': 'elsewhere', 'pid': 4242, 'started': '2026-01-01T00:00:00+00:00',
            'token': 'theirs', 'renewed': time.time(), 'ttl': 60.0, **fields}
-  (workdir / lease.LEASE).write_text(json.dumps(owner))
+  (workdir / 'theirs.tmp').write_text(json.dumps(owner))
+  os.replace(workdir / 'theirs.tmp', workdir / lease.LEASE)
 
 
 def test_second_job_is_refused_and_a_killed_owner_does_not_block(tmp_path):
@@ -34,7 +38,12 @@ def test_second_job_is_refused_and_a_killed_owner_does_not_block(tmp_path):
   with open(tmp_path / 'first.log', 'w', encoding='utf-8') as log:
     first = _start(str(workdir), log, *_args(workdir, 100_000))
   try:
-    _wait_for_step(str(workdir), first, 3)
+    # Step 5 logged: the save of step 4 has begun, so step 2's is complete (a save waits for
+    # the one before it).
+    _wait_for_step(str(workdir), first, 5)
+    # Paused, not ended: alive and holding a fresh lease, and not training on while the
+    # second job starts (so the restart below stays a few steps long).
+    first.send_signal(signal.SIGSTOP)
     second = run_cli(*_args(workdir, 10), timeout=120)
     rows_before_kill = read_metrics(workdir)
   finally:
@@ -61,6 +70,15 @@ def test_second_job_is_refused_and_a_killed_owner_does_not_block(tmp_path):
   assert steps == list(range(1, saved + 5))
 
 
+def _until(condition, what, timeout=30.0):
+  """Returns once condition() is true (polled every 10 ms); fails after `timeout` s."""
+  deadline = time.monotonic() + timeout
+  while not condition():
+    if time.monotonic() > deadline:
+      pytest.fail(f'not within {timeout:.0f} s: {what}')
+    time.sleep(0.01)
+
+
 def test_a_live_owner_on_another_host_blocks_until_its_lease_expires(tmp_path):
   _write_lease(tmp_path)
   with pytest.raises(lease.WorkdirBusyError, match=r'owned by a live job \(host elsewhere, '
@@ -79,11 +97,12 @@ def test_renewal_keeps_the_lease_and_notices_a_takeover(tmp_path):
   owner = lease.Lease(str(tmp_path), 0.4)  # Renews every 0.1 s.
   owner.acquire()
   first = json.loads((tmp_path / lease.LEASE).read_text())['renewed']
-  time.sleep(0.5)
-  assert json.loads((tmp_path / lease.LEASE).read_text())['renewed'] > first
+  # Renewed more than a ttl after it was taken: without renewals it would have expired.
+  _until(lambda: json.loads((tmp_path / lease.LEASE).read_text())['renewed'] > first + 0.4,
+         'the lease renewed more than a ttl after it was taken')
   owner.check()
   _write_lease(tmp_path)  # Another job took over (say, after this one stalled past the ttl).
-  time.sleep(0.5)
+  _until(lambda: owner.lost, "the other job's lease noticed by the next renewal")
   with pytest.raises(lease.WorkdirBusyError, match=r'this run lost ownership \(host elsewhere '
                                                     r'process 4242 took it over\)'):
     owner.check()
@@ -136,21 +155,36 @@ def test_jobs_starting_together_have_one_winner(tmp_path):
       sys.path.insert(0, {REPO!r})
       from zoo.store import lease
       owner = lease.Lease({str(tmp_path)!r}, 60.0)
-      while time.time() < float(sys.argv[1]):  # Start together.
+      print('ready', flush=True)
+      start = float(sys.stdin.readline())  # One instant for all, given once all are ready.
+      time.sleep(max(0.0, start - time.time() - 0.02))
+      while time.time() < start:  # Start together.
         pass
       try:
         owner.acquire()
       except lease.WorkdirBusyError:
-        print('busy')
+        print('busy', flush=True)
         sys.exit(0)
       print('won', flush=True)
-      time.sleep(3)  # Alive while the others try.
+      sys.stdin.readline()  # Alive while the others try: until every one has answered.
       owner.release()
       """)
-  start = str(time.time() + 4)
-  procs = [subprocess.Popen([sys.executable, '-c', script, start], stdout=subprocess.PIPE,
-                            text=True) for _ in range(4)]
-  outputs = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+  procs = [subprocess.Popen([sys.executable, '-c', script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True) for _ in range(4)]
+  try:
+    assert [p.stdout.readline() for p in procs] == ['ready\n'] * 4
+    start = f'{time.time() + 0.2}\n'
+    for p in procs:
+      p.stdin.write(start)
+      p.stdin.flush()
+    outputs = sorted(p.stdout.readline().strip() for p in procs)  # The winner holds on.
+    for p in procs:
+      p.stdin.close()  # Now the winner releases.
+      assert p.wait(timeout=60) == 0
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
   assert outputs == ['busy', 'busy', 'busy', 'won']
   assert os.listdir(tmp_path) == []
 
@@ -193,7 +227,7 @@ def test_renewal_errors_name_their_cause_and_release_is_bounded(tmp_path, monkey
   def refused(self):
     raise PermissionError(13, 'Permission denied')
   monkeypatch.setattr(lease.Lease, '_write', refused)
-  time.sleep(0.3)
+  _until(lambda: owner._trouble, 'a failed renewal recorded')  # pylint: disable=protected-access
   assert owner._trouble == 'PermissionError: [Errno 13] Permission denied'  # pylint: disable=protected-access
   never = threading.Event()
   monkeypatch.setattr(lease.Lease, '_remove_if_ours', lambda self: never.wait(5))
