@@ -81,3 +81,40 @@ def test_every_command_the_docs_name_answers_help():
     result = subprocess.run([sys.executable, *program.split(), '--help'], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, (program, result.stderr[-2000:])
+
+
+def _anchor(heading):
+  """GitHub's anchor of a heading: lower case, punctuation but '-' and '_' dropped,
+  spaces to '-'."""
+  return re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-')
+
+
+def test_every_link_between_the_pages_reaches_a_heading_that_exists():
+  """Links from README.md and docs/ to a page of theirs (and its #section) resolve, so
+  moving a table between pages cannot leave a link behind."""
+  anchors = {}
+  for doc in DOCS:
+    with open(os.path.join(REPO, doc), encoding='utf-8') as f:
+      anchors[doc] = {_anchor(h) for h in re.findall(r'^#+ (.*)$', f.read(), re.M)}
+  broken = []
+  for doc in DOCS:
+    with open(os.path.join(REPO, doc), encoding='utf-8') as f:
+      links = re.findall(r'\]\(([^)\s]+)\)', f.read())
+    for link in links:
+      if re.match(r'[a-z]+://', link):
+        continue
+      path, _, anchor = link.partition('#')
+      target = os.path.normpath(os.path.join(os.path.dirname(doc), path)) if path else doc
+      if not os.path.exists(os.path.join(REPO, target)):
+        broken.append(f'{doc}: {link} (no {target})')
+      elif anchor and target in anchors and anchor not in anchors[target]:
+        broken.append(f'{doc}: {link} (no such heading in {target})')
+  assert len(anchors['README.md']) > 5
+  assert not broken, broken
+
+
+def test_the_readme_front_page_stays_short():
+  """The front page: two commands, a tour, headline results and links, at most 300 lines;
+  detail lives in docs/."""
+  with open(os.path.join(REPO, 'README.md'), encoding='utf-8') as f:
+    assert len(f.read().splitlines()) <= 300
