@@ -61,6 +61,60 @@ def tiny_gpt2(directory):
   return str(directory)
 
 
+def numpy_hf(directory, config):
+  """A random Hugging Face model of `config` (its config.json) laid out as save_pretrained
+  writes it, with zoo's bytes tokenizer, from numpy as transformers initialises one (norm
+  weights 1, biases 0, the rest N(0, 0.02)): for tests that need a model to import, tune or
+  sample but not transformers' numbers, without torch's start-up (~5 CPU-seconds a module)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+  from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  from zoo.hf import layouts  # pylint: disable=import-outside-toplevel
+  _, arch = layouts.architecture(config)
+  rng = np.random.default_rng(0)
+  def initial(name, shape):
+    if name.endswith('.bias'):
+      return np.zeros(shape, np.float32)
+    if name.endswith('norm.weight') or '.ln_' in name or name.startswith('transformer.ln_'):
+      return np.ones(shape, np.float32)
+    return (0.02 * rng.standard_normal(shape)).astype(np.float32)
+  os.makedirs(directory)
+  save_file({t.name: initial(t.name, t.shape) for t in arch.tensors(arch.from_hf(config))},
+            os.path.join(directory, 'model.safetensors'), metadata={'format': 'pt'})
+  with open(os.path.join(directory, 'config.json'), 'w', encoding='utf-8') as f:
+    json.dump(config, f, indent=2)
+  tokenizer_lib.bytes_tokenizer().save(os.path.join(directory, 'tokenizer.json'))
+  return str(directory)
+
+
+# conftest.tiny_gpt2's model: the config.json transformers 5 writes for it.
+GPT2 = {'activation_function': 'gelu_new', 'add_cross_attention': False,
+        'architectures': ['GPT2LMHeadModel'], 'attn_pdrop': 0.1, 'bos_token_id': 256,
+        'dtype': 'float32', 'embd_pdrop': 0.1, 'eos_token_id': 256, 'initializer_range': 0.02,
+        'layer_norm_epsilon': 1e-05, 'model_type': 'gpt2', 'n_embd': 16, 'n_head': 2,
+        'n_inner': None, 'n_layer': 1, 'n_positions': 32, 'pad_token_id': None,
+        'reorder_and_upcast_attn': False, 'resid_pdrop': 0.1,
+        'scale_attn_by_inverse_layer_idx': False, 'scale_attn_weights': True,
+        'summary_activation': None, 'summary_first_dropout': 0.1, 'summary_proj_to_labels': True,
+        'summary_type': 'cls_index', 'summary_use_proj': True, 'tie_word_embeddings': True,
+        'use_cache': True, 'vocab_size': 257}
+
+
+def llama(hidden_size, intermediate_size, num_hidden_layers, num_attention_heads=4,
+          num_key_value_heads=2, max_position_embeddings=64):
+  """The config.json transformers 5 writes for LlamaConfig(vocab_size=257, these sizes)."""
+  return {'architectures': ['LlamaForCausalLM'], 'attention_bias': False,
+          'attention_dropout': 0.0, 'bos_token_id': 1, 'dtype': 'float32', 'eos_token_id': 2,
+          'head_dim': hidden_size // num_attention_heads, 'hidden_act': 'silu',
+          'hidden_size': hidden_size, 'initializer_range': 0.02,
+          'intermediate_size': intermediate_size, 'max_position_embeddings': max_position_embeddings,
+          'mlp_bias': False, 'model_type': 'llama', 'num_attention_heads': num_attention_heads,
+          'num_hidden_layers': num_hidden_layers, 'num_key_value_heads': num_key_value_heads,
+          'pad_token_id': None, 'pretraining_tp': 1, 'rms_norm_eps': 1e-06,
+          'rope_parameters': {'rope_theta': 10000.0, 'rope_type': 'default'},
+          'tie_word_embeddings': False, 'use_cache': True, 'vocab_size': 257}
+
+
 def saved_hf_models(models, root):
   """{name: (directory, torch module)}: each (class, config) of `models` built with torch's
   seed 0 and saved by save_pretrained under `root`, with zoo's bytes tokenizer for text."""

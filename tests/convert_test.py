@@ -267,7 +267,8 @@ def test_export_refuses_a_model_without_a_hf_layout(tmp_path, devices):
   from zoo.run import train  # pylint: disable=import-outside-toplevel
   del devices
   workdir = str(tmp_path / 'char')
-  train.train_and_evaluate(load_config('char_lm', **{'train.steps': 1, 'eval.max_batches': 1,
+  # The run of sample_test's lm_workdir: its programs compile once in a session.
+  train.train_and_evaluate(load_config('char_lm', **{'train.steps': 2, 'eval.max_batches': 1,
                                                      'checkpoint.async_save': False}), workdir)
   with pytest.raises(ConfigError, match=r'matches none of the layouts export writes \(gemma, '
                                         r'gemma2, gemma3_text, gpt2, llama, mistral, mixtral, '

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, experiment, load_config, read_metrics
-from zoo.data import digits
+from conftest import REPO, experiment, llama, load_config, numpy_hf, read_metrics
+from zoo.data import digits, writer
 from zoo.run import train
 
 STEPS = 4  # Checkpoints at STEPS and 2 * STEPS.
@@ -29,24 +29,16 @@ def datasets(tmp_path_factory):
     with open(root / f'{name}.jsonl', 'w', encoding='utf-8') as f:
       f.writelines(json.dumps({'text': d}) + '\n' for d in docs)
   digits.write_image_folder(str(root / 'png'))
-  for args in (['text', f'--input={root}/docs.jsonl', f'--output={root}/tokens',
-                '--val_fraction=0.2'],
-               ['text', f'--input={root}/few.jsonl', f'--output={root}/few',
-                '--val_fraction=0.2'],
-               ['images', f'--input={root}/png', f'--output={root}/records']):
-    result = subprocess.run([sys.executable, '-m', 'zoo.prepare', *args], cwd=REPO,
-                            capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
-  transformers = pytest.importorskip('transformers')  # A tiny Llama to tune with LoRA.
-  import torch  # pylint: disable=import-outside-toplevel
-  from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  # What `python -m zoo.prepare` writes (its writer, in this process: the command's own
+  # start-up is prepare_test's).
+  for kind, source, output, val_fraction in (('text', 'docs.jsonl', 'tokens', 0.2),
+                                             ('text', 'few.jsonl', 'few', 0.2),
+                                             ('images', 'png', 'records', 0.01)):
+    writer.run(kind, writer.Options(inputs=(str(root / source),), output=str(root / output),
+                                    val_fraction=val_fraction))
   from zoo.hf import transfer  # pylint: disable=import-outside-toplevel
-  torch.manual_seed(0)
-  transformers.LlamaForCausalLM(transformers.LlamaConfig(
-      vocab_size=257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).save_pretrained(
-          root / 'llama')
-  tokenizer_lib.bytes_tokenizer().save(str(root / 'llama' / 'tokenizer.json'))
+  # A tiny random Llama (as save_pretrained lays it out) to tune with LoRA.
+  numpy_hf(root / 'llama', llama(hidden_size=64, intermediate_size=128, num_hidden_layers=2))
   transfer.import_model(str(root / 'llama'), str(root / 'imported'))
   return {'tokens': ('char_lm', 'smoke', {'data.name': 'tokens', 'data.path': f'{root}/tokens'}),
           'lora': ('finetune_lm', f'{root}/imported,smoke,lora', {'data.path': f'{root}/tokens'}),

@@ -42,20 +42,27 @@ def test_auto_picks_by_vocabulary():
   assert embedding.method_for('sorted', 128256) == 'sorted'
 
 
-def _grads(method, mesh, **overrides):
-  """Loss and parameter gradients of char_lm's model on `mesh` with `method`."""
-  config = load_config('char_lm', **{'mesh.shape': mesh, 'model.embedding_grad': method,
-                                     **overrides})
-  s = setup_lib.checked(config)
-  with s.scope():
-    state = s.create_state()
-    batch = s.dataset.train_batch(0, config.train.batch_size, slice(0, config.train.batch_size))
-    batch = jax.device_put(batch, s.batch_sharding)
+def _grads(methods, mesh, **overrides):
+  """{method: (loss, parameter gradients)} of char_lm's model on `mesh`, each method's
+  model from its own config, all at one initial state and batch."""
+  out, state = {}, None
+  for method in methods:
+    config = load_config('char_lm', **{'mesh.shape': mesh, 'model.embedding_grad': method,
+                                       **overrides})
+    s = setup_lib.checked(config)
+    with s.scope():
+      if state is None:  # The parameters do not depend on the method: initialised once.
+        state = s.create_state()
+        batch = s.dataset.train_batch(0, config.train.batch_size,
+                                      slice(0, config.train.batch_size))
+        batch = jax.device_put(batch, s.batch_sharding)
+      with_model = state.replace(apply_fn=s.model.apply)  # This method's model.
 
-    def loss(params):
-      return steps.loss(params, state, batch, jax.random.key(0), s.task,
-                        s.task.counted(batch))[0]
-    return jax.jit(jax.value_and_grad(loss))(state.params)
+      def loss(params, state=with_model, s=s):
+        return steps.loss(params, state, batch, jax.random.key(0), s.task,
+                          s.task.counted(batch))[0]
+      out[method] = jax.jit(jax.value_and_grad(loss))(state.params)
+  return out
 
 
 @pytest.mark.parametrize('mesh,tied', [((8, 1), False), ((4, 2), False), ((4, 2), True)])
@@ -63,10 +70,10 @@ def test_the_lm_gradients_equal_takes_on_every_mesh(mesh, tied, devices):
   """One-hot and sorted gradients of char_lm (vocabulary over 'model' on (4, 2); the tied
   head's gradient adds to the table's) within float32 tolerance of take's."""
   del devices
-  overrides = {'model.tie_embeddings': tied}
-  want_loss, want = _grads('take', mesh, **overrides)
+  grads = _grads(('take', 'one_hot', 'sorted'), mesh, **{'model.tie_embeddings': tied})
+  want_loss, want = grads['take']
   for method in ('one_hot', 'sorted'):
-    loss, got = _grads(method, mesh, **overrides)
+    loss, got = grads[method]
     assert float(loss) == pytest.approx(float(want_loss), rel=1e-6)
     for path, a, b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(got),
                           jax.tree.leaves(want)):

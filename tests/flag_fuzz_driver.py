@@ -4,12 +4,19 @@ shell's parsing and error handling (tests/flag_fuzz_test.py). argv[1]: a JSON sp
 seconds (a case's bound), out (a path the baseline writes: removed before each case)}.
 Prints one JSON object per case: flag, label, value, outcome (ok | error | hang |
 escaped) and the last line of the command's message.
+
+With argv[1] == '--processes', argv[2] is {module, cases (argument lists), seconds,
+parallel}: each case is `python -m MODULE ARGS` in a process of its own, forked from this
+one once the module's imports are done (a fresh process's JAX runtime, without its ~2 s
+of interpreter and library start-up). Prints one JSON object per case: its index, exit
+status (null: no verdict within seconds, killed) and stderr.
 """
 import contextlib
 import importlib
 import io
 import json
 import os
+import runpy
 import shutil
 import signal
 import sys
@@ -103,5 +110,60 @@ def main():
                     'line': line, 'seconds': 0}), flush=True)
 
 
+def fork_cases(spec):
+  """Runs each case of `spec` in a forked process, `parallel` at a time; in the parent,
+  prints the verdicts and returns None; in a child, returns (module, args, stderr path)."""
+  importlib.import_module(spec['module'])  # Its imports, once (its flags: in each child).
+  import threading  # pylint: disable=import-outside-toplevel
+  assert threading.active_count() == 1, 'a thread before fork'
+  import jax._src.xla_bridge as xb  # pylint: disable=import-outside-toplevel
+  assert not xb._backends, 'the JAX runtime started before fork'  # pylint: disable=protected-access
+  folder = tempfile.mkdtemp(prefix='zoo-flag-fuzz-')
+  pending, running, verdicts = list(enumerate(spec['cases'])), {}, {}
+  while pending or running:
+    while pending and len(running) < spec['parallel']:
+      index, args = pending.pop(0)
+      stderr = os.path.join(folder, f'{index}.stderr')
+      sys.stdout.flush()
+      sys.stderr.flush()
+      pid = os.fork()
+      if pid == 0:
+        return spec['module'], args, stderr
+      running[pid] = (index, stderr, time.monotonic() + spec['seconds'])
+    pid, status = os.waitpid(-1, os.WNOHANG)
+    if pid:
+      index, stderr, _ = running.pop(pid)
+      verdicts[index] = (os.waitstatus_to_exitcode(status), stderr)
+      continue
+    for pid, (index, stderr, deadline) in list(running.items()):
+      if time.monotonic() > deadline:  # No verdict in time: killed, reported as such.
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        running.pop(pid)
+        verdicts[index] = (None, stderr)
+    time.sleep(0.05)
+  for index in sorted(verdicts):
+    code, stderr = verdicts[index]
+    with open(stderr, encoding='utf-8', errors='replace') as f:
+      print(json.dumps({'index': index, 'returncode': code, 'stderr': f.read()}))
+  shutil.rmtree(folder, ignore_errors=True)
+  return None
+
+
+def run_forked(module, args, stderr):
+  """In the child: `python -m MODULE ARGS` with stdout discarded and stderr to a file."""
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 1)
+  os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+  sys.argv = [module, *args]
+  del sys.modules[module]  # Its code runs afresh as __main__, on the imports already made.
+  runpy.run_module(module, run_name='__main__', alter_sys=True)  # Exits as the command does.
+
+
 if __name__ == '__main__':
-  main()
+  if sys.argv[1] == '--processes':
+    child = fork_cases(json.loads(sys.argv[2]))
+    if child:
+      run_forked(*child)
+  else:
+    main()

@@ -9,7 +9,6 @@ handling. The shell's device flags (--cpu_devices, the multi-process trio and it
 timeouts) shape the JAX runtime, which starts once per process: they are tried one
 process each, in the last test.
 """
-import concurrent.futures
 import json
 import os
 import socket
@@ -18,7 +17,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, cli_env, experiment, tiny_gpt2
+from conftest import GPT2, REPO, cli_env, experiment, numpy_hf
 from prepare_test import _images
 
 DRIVER = os.path.join(os.path.dirname(__file__), 'flag_fuzz_driver.py')
@@ -27,11 +26,11 @@ SECONDS = 60  # A case's bound: one that runs longer fails the test.
 
 @pytest.fixture(scope='module')
 def inputs(tmp_path_factory):
-  """What the commands' baselines read: a tiny random GPT-2 saved by transformers (import),
-  that model imported (sample, export) and a small JSON Lines corpus (prepare)."""
+  """What the commands' baselines read: a tiny random GPT-2 as save_pretrained lays it out
+  (import), that model imported (sample, export) and a small JSON Lines corpus (prepare)."""
   from zoo.hf import transfer  # pylint: disable=import-outside-toplevel
   root = tmp_path_factory.mktemp('flag_fuzz')
-  tiny_gpt2(root / 'hf')
+  numpy_hf(root / 'hf', GPT2)
   transfer.import_model(str(root / 'hf'), str(root / 'run'))
   corpus = root / 'docs.jsonl'
   corpus.write_text(''.join(json.dumps({'text': f'document {i}: a few words ' * 3}) + '\n'
@@ -100,7 +99,8 @@ def _free_port():
 
 def test_the_shells_device_flags_with_bad_values_succeed_or_name_the_flag(inputs):
   """Values that parse, each in a process of its own (the JAX runtime starts once): the
-  multi-process trio and its timeouts on a one-process job over loopback."""
+  multi-process trio and its timeouts on a one-process job over loopback. The processes
+  are forked by the driver once zoo.sample's imports are done (the start-up they share)."""
   sys.path.insert(0, os.path.dirname(DRIVER))
   from flag_fuzz_driver import DEVICE_FLAGS  # pylint: disable=import-outside-toplevel
   cases = []
@@ -112,24 +112,23 @@ def test_the_shells_device_flags_with_bad_values_succeed_or_name_the_flag(inputs
           f'--coordinator_address=127.0.0.1:{_free_port()}', '--num_processes=1',
           '--process_id=0', '--initialization_timeout=10']
       cases.append((flag, label, [*job, f'--{flag}={value}']))
-  env = cli_env()
-  def run(case):
-    flag, label, args = case
-    cmd = [sys.executable, '-m', 'zoo.sample', f'--workdir={inputs["run"]}', '--num_tokens=3',
-           '--prompt=ab', *args]
-    try:
-      done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=SECONDS, check=False)
-    except subprocess.TimeoutExpired:
-      return f'{args[-1]} ({label}): no verdict in {SECONDS} s'
-    line = (done.stderr.strip().splitlines() or [''])[-1]
-    if done.returncode == 0:
-      return None
-    if (done.returncode != 1 or not line.startswith('zoo: error: ') or f'--{flag}' not in line
-        or 'Traceback' in done.stderr):
-      return f'{args[-1]} ({label}): exit {done.returncode}: {line[:300]}'
-    return None
-  with concurrent.futures.ThreadPoolExecutor(3) as pool:
-    bad = [r for r in pool.map(run, cases) if r]
+  spec = {'module': 'zoo.sample', 'seconds': SECONDS, 'parallel': 3,
+          'cases': [[f'--workdir={inputs["run"]}', '--num_tokens=3', '--prompt=ab', *args]
+                    for _, _, args in cases]}
+  run = subprocess.run([sys.executable, DRIVER, '--processes', json.dumps(spec)], cwd=REPO,
+                       env=cli_env(), capture_output=True, text=True,
+                       timeout=SECONDS * len(cases), check=False)
+  assert run.returncode == 0, run.stderr[-5000:]
+  done = [json.loads(line) for line in run.stdout.splitlines()]
+  assert [d['index'] for d in done] == list(range(len(cases))), run.stdout[-3000:]
+  bad = []
+  for (flag, label, args), d in zip(cases, done):
+    line = (d['stderr'].strip().splitlines() or [''])[-1]
+    if d['returncode'] is None:
+      bad.append(f'{args[-1]} ({label}): no verdict in {SECONDS} s')
+    elif d['returncode'] != 0 and (
+        d['returncode'] != 1 or not line.startswith('zoo: error: ') or f'--{flag}' not in line
+        or 'Traceback' in d['stderr']):
+      bad.append(f'{args[-1]} ({label}): exit {d["returncode"]}: {line[:300]}')
   assert len(cases) >= 16
   assert not bad, '\n'.join(bad)

@@ -12,8 +12,9 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, cli_env, experiment, prepared_text, read_metrics, stop_at
+from conftest import REPO, cli_env, experiment, read_metrics, stop_at
 from zoo.data import tokenizer as tokenizer_lib
+from zoo.data import writer
 from zoo.errors import ConfigError
 from zoo.hf import transfer
 from zoo.models import lora
@@ -41,8 +42,14 @@ def imported(tmp_path_factory):
   model.save_pretrained(root / 'hf')
   tokenizer_lib.bytes_tokenizer().save(str(root / 'hf' / 'tokenizer.json'))
   transfer.import_model(str(root / 'hf'), str(root / 'imported'))
-  data = prepared_text(root / 'imported', root, '{i}: the lazy dog naps in the sun. ' * 3,
-                       lines=60, name='data')
+  # What `python -m zoo.prepare text --tokenizer=IMPORTED/tokenizer.json` makes (in this
+  # process: the command line's own tests are prepare_test's).
+  docs = root / 'docs.jsonl'
+  docs.write_text(''.join(json.dumps({'text': ('{i}: the lazy dog naps in the sun. ' * 3).format(
+      i=i)}) + '\n' for i in range(60)))
+  data = str(root / 'data')
+  writer.run('text', writer.Options(inputs=(str(docs),), output=data, val_fraction=0.2,
+                                    tokenizer=str(root / 'imported' / 'tokenizer.json')))
   return {'hf': str(root / 'hf'), 'model': model, 'workdir': str(root / 'imported'),
           'data': data}
 

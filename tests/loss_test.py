@@ -10,6 +10,8 @@ import pytest
 
 from conftest import load_config, read_metrics, stop_at
 from zoo.models import layers
+from zoo.parallel import sharding
+from zoo.run import config as cfg
 from zoo.run import plan
 from zoo.run import setup as setup_lib
 from zoo.run import steps, tasks
@@ -29,6 +31,28 @@ def _setup(mesh, chunks, **overrides):
   config = load_config('char_lm', **{'mesh.shape': mesh, 'model.loss_chunks': chunks,
                                      'model.vocab_size': 300, **overrides})
   return setup_lib.checked(config)
+
+
+_PLACED = {}   # (mesh, family) -> (Setup, initial state, batch): what several tests take.
+_INITIAL = {}  # family -> its initial parameters on the host.
+
+
+def _placed(mesh, family):
+  """The 4-chunk setup of `family` on `mesh`, its initial state and a masked batch. A
+  family's parameters are initialised once (each initialisation is a compile) and placed
+  on every mesh it is tested on: the comparisons hold for any parameters."""
+  if (mesh, family) not in _PLACED:
+    s = _setup(mesh, 4, **FAMILIES[family])
+    with s.scope():
+      if family in _INITIAL:
+        params = jax.device_put(_INITIAL[family], s.state_shardings.params)
+        state = steps.TrainState(step=0, apply_fn=s.model.apply, params=params, tx=s.optimizer,
+                                 opt_state=(), model_state={})
+      else:
+        state = s.create_state()
+        _INITIAL[family] = jax.device_get(state.params)
+      _PLACED[mesh, family] = s, state, _batch(s)
+  return _PLACED[mesh, family]
 
 
 def _batch(s):
@@ -52,14 +76,13 @@ def test_chunked_loss_and_gradients_equal_whole_logits(mesh, family, devices):
   """4 chunks of 8 tokens: the loss within 1e-6 and every gradient within float32
   tolerance of whole logits' (the vocabulary split over 'model' on (4,2) and (2,4))."""
   del devices
-  s = _setup(mesh, 4, **FAMILIES[family])
+  s, state, batch = _placed(mesh, family)
   with s.scope():
-    state = s.create_state()
-    batch = _batch(s)
-    chunked = jax.jit(jax.value_and_grad(lambda p: steps.loss(
-        p, state, batch, jax.random.key(0), s.task, batch['mask'].sum())[0]))
-    whole = jax.jit(jax.value_and_grad(lambda p: _reference(s, p, batch)[0]))
-    (got, got_grads), (want, want_grads) = chunked(state.params), whole(state.params)
+    chunked = jax.value_and_grad(lambda p: steps.loss(
+        p, state, batch, jax.random.key(0), s.task, batch['mask'].sum())[0])
+    whole = jax.value_and_grad(lambda p: _reference(s, p, batch)[0])
+    # One program for both (a compile each is most of the test's time).
+    (got, got_grads), (want, want_grads) = jax.jit(lambda p: (chunked(p), whole(p)))(state.params)
   assert float(got) == pytest.approx(float(want), rel=1e-6)
   for path, a in jax.tree_util.tree_leaves_with_path(got_grads):
     b = dict(jax.tree_util.tree_leaves_with_path(want_grads))[path]
@@ -68,20 +91,22 @@ def test_chunked_loss_and_gradients_equal_whole_logits(mesh, family, devices):
 
 def test_eval_sums_and_scores_equal_whole_logits(devices):
   del devices
-  s = _setup((4, 2), 4, **FAMILIES['llama'])
-  with s.scope():
-    state = s.create_state()
-    batch = dict(_batch(s), weights=jnp.ones(s.config.train.batch_size))
-    got = jax.jit(lambda st: steps.eval_step(st, batch, s.task))(state)
-    got_scores = jax.jit(lambda p: steps.score_step(p, batch, s.model.apply, s.task))(
-        state.params)
-    logits = jax.jit(lambda p: _reference(s, p, batch)[1])(state.params)
-  want = tasks.Task().eval_sums(logits, batch)  # The base task's sums, from logits.
+  s, state, batch = _placed((4, 2), 'llama')
+  batch = dict(batch, weights=jnp.ones(s.config.train.batch_size))
+
+  def reference(params):
+    """From whole logits: the base task's sums, each row's log-likelihood and greedy match."""
+    logits = _reference(s, params, batch)[1]
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
+    greedy = ((jnp.argmax(logits, -1) == batch['targets']) | (batch['mask'] == 0)).all(-1)
+    return tasks.Task().eval_sums(logits, batch), -(losses * batch['mask']).sum(-1), greedy
+  with s.scope():  # One program for the three (not one per step, nor per eager op).
+    got, got_scores, (want, loglik, greedy) = jax.jit(lambda st: (
+        steps.eval_step(st, batch, s.task), steps.score_step(st.params, batch, s.model.apply,
+                                                             s.task), reference(st.params)))(state)
   for key in ('loss', 'correct', 'weight'):
     assert float(got[key]) == pytest.approx(float(want[key]), rel=1e-6), key
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch['targets'])
-  np.testing.assert_allclose(got_scores['loglik'], -(losses * batch['mask']).sum(-1), rtol=1e-6)
-  greedy = ((jnp.argmax(logits, -1) == batch['targets']) | (batch['mask'] == 0)).all(-1)
+  np.testing.assert_allclose(got_scores['loglik'], loglik, rtol=1e-6)
   np.testing.assert_array_equal(got_scores['greedy'], greedy)
 
 
@@ -95,13 +120,19 @@ def test_auto_chunks_by_vocabulary_and_length():
 
 def _peak(vocab, chunks):
   """(the compiled train step's peak per device, the parameters' bytes, the optimizer's) of
-  a 1-layer char_lm at `vocab` on (4, 2) (CPU plan: 256 tokens, 8 sequences)."""
+  a 1-layer char_lm at `vocab` on (4, 2) (CPU plan: 256 tokens, 8 sequences): the figures
+  of `--dry_run`'s plan (plan.make_plan), for the train step alone (the plan also compiles
+  the eval step, which this test does not look at)."""
   config = load_config('char_lm', **{
       'mesh.shape': (4, 2), 'model.vocab_size': vocab, 'model.loss_chunks': chunks,
       'model.max_len': 256, 'data.seq_len': 256, 'train.batch_size': 8, 'model.num_layers': 1})
-  p = plan.make_plan(config)
-  held = p['bytes_per_device']
-  return p['compiled_memory']['peak'], held['params'], held['optimizer']
+  cfg.validate(config, jax.device_count())
+  s = setup_lib.checked(config, plan=True)
+  with s.scope():
+    state = s.abstract_state()
+    train = plan.compile_step(jax.devices()[0].platform, s.jit_train_step(), state, s.batch)
+  return (train.memory['peak'], sharding.per_device_bytes(state.params),
+          sharding.per_device_bytes(state.opt_state))
 
 
 def test_the_steps_memory_grows_with_the_vocabulary_only_by_the_parameters(devices):

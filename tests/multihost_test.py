@@ -11,13 +11,16 @@ import time
 import numpy as np
 import pytest
 
-from conftest import (REPO, cli_env, experiment, load_config, read_metrics, run_cli,
-                      tiny_gpt2)
+from conftest import (GPT2, REPO, cli_env, experiment, load_config, numpy_hf, read_metrics,
+                      run_cli)
 from zoo.run import train
 
 STEPS = 6
+# A constant learning rate in every run: the compiled programs do not depend on
+# train.steps, so the endless runs below load the 2-process job's programs from the cache.
 FLAGS = [f'--config={experiment("mlp_digits")}:smoke', '--config.train.log_every_steps=1',
-         f'--config.eval.every_steps={STEPS}', f'--config.checkpoint.every_steps={STEPS}']
+         f'--config.eval.every_steps={STEPS}', f'--config.checkpoint.every_steps={STEPS}',
+         '--config.optimizer.schedule=constant']
 
 
 # A run that only stops when told to (or killed).
@@ -38,11 +41,13 @@ def _losses(workdir):
 
 @pytest.fixture(scope='module')
 def one_process(tmp_path_factory):
-  """1 process x 8 devices: the reference for every multi-process run, up to 3 x STEPS."""
+  """1 process x 8 devices: the reference for every multi-process run, up to 3 x STEPS. It
+  saves once, at its end: how often a run saves changes nothing it computes."""
   workdir = str(tmp_path_factory.mktemp('one'))
   train.train_and_evaluate(load_config('mlp_digits', **{
       'train.steps': 3 * STEPS, 'train.log_every_steps': 1, 'eval.every_steps': STEPS,
-      'checkpoint.every_steps': STEPS, 'mesh.shape': (4, 2)}), workdir)
+      'checkpoint.every_steps': 3 * STEPS, 'mesh.shape': (4, 2),
+      'optimizer.schedule': 'constant'}), workdir)
   return _losses(workdir)[0]
 
 
@@ -85,7 +90,8 @@ def test_hybrid_mesh_places_slices_along_the_dcn_axes(dcn, layout, one_process, 
 
 
 def test_checkpoints_move_between_process_counts(one_process, two_processes, tmp_path):
-  """2 processes write; 1 process with 2 devices resumes; 2 processes resume from its step."""
+  """2 processes write on (4,2); 1 process with 2 devices resumes on (2,1); 2 processes
+  resume from its step on (4,2) (the writer's programs, loaded from the cache)."""
   written, result = two_processes  # 2 processes on (4,2), a checkpoint every STEPS.
   assert result.returncode == 0, result.stdout[-3000:]
   shutil.copytree(written, tmp_path, dirs_exist_ok=True)  # test_two_processes_match_one reads it.
@@ -99,7 +105,7 @@ def test_checkpoints_move_between_process_counts(one_process, two_processes, tmp
   assert f'resuming from step {STEPS}' in result.stderr
   # Keep up to step 2 * STEPS, which the single process wrote.
   os.rename(tmp_path / 'checkpoints' / str(3 * STEPS), tmp_path / 'set_aside_last')
-  result = launch(*FLAGS, workdir, f'--config.train.steps={3 * STEPS}', '--config.mesh.shape=(2,4)')
+  result = launch(*FLAGS, workdir, f'--config.train.steps={3 * STEPS}', '--config.mesh.shape=(4,2)')
   assert result.returncode == 0, result.stdout[-3000:]
   assert f'resuming from step {2 * STEPS}' in result.stdout
   losses, steps = _losses(str(tmp_path))
@@ -216,7 +222,7 @@ def imported_gpt2(tmp_path_factory):
   """A tiny random GPT-2 directory and its zoo import."""
   from zoo.hf import transfer  # pylint: disable=import-outside-toplevel
   root = tmp_path_factory.mktemp('mp_gpt2')
-  hf = tiny_gpt2(root / 'hf')
+  hf = numpy_hf(root / 'hf', GPT2)
   transfer.import_model(hf, str(root / 'run'))
   return hf, str(root / 'run')
 

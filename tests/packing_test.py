@@ -112,9 +112,10 @@ def test_packed_per_document_losses_equal_each_document_alone(packed_dir, positi
   def token_losses(inputs, targets, **kwargs):
     logits = t.model.apply({'params': params}, jnp.asarray(inputs), **kwargs)
     return -jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.asarray(targets)[..., None], -1)[..., 0]
-  with t.scope():
-    packed = np.asarray(jax.jit(lambda b: token_losses(
-        b['inputs'], b['targets'], segments_BL=b['segments'], positions_BL=b['positions']))(batch))
+  with t.scope():  # And without segments: a row's later documents see the earlier ones.
+    packed, crossed = map(np.asarray, jax.jit(lambda b: (token_losses(
+        b['inputs'], b['targets'], segments_BL=b['segments'], positions_BL=b['positions']),
+        token_losses(b['inputs'], b['targets'])))(batch))
   alone_fn = jax.jit(token_losses)  # One document per row from position 0, zeros after it
   compared = 0                      # (which a causal model does not see).
   for row in range(len(batch['inputs'])):
@@ -127,8 +128,6 @@ def test_packed_per_document_losses_equal_each_document_alone(packed_dir, positi
       np.testing.assert_allclose(packed[row][where].sum(), alone.sum(), rtol=1e-5, atol=1e-5)
       compared += 1
   assert compared > 16 * 1.5  # Rows hold several documents.
-  with t.scope():  # Without its segments, a row's later documents see the earlier ones.
-    crossed = np.asarray(jax.jit(lambda b: token_losses(b['inputs'], b['targets']))(batch))
   assert np.abs(crossed - packed)[batch['segments'] > 1].max() > 1e-3
 
 
@@ -176,8 +175,9 @@ def test_the_loss_is_the_mean_over_counted_targets_across_microbatches(packed_di
   shares = batch['mask'].reshape(4, 4, -1).swapaxes(0, 1).reshape(4, -1).sum(1)
   assert len(set(shares.tolist())) > 1  # The microbatches' padding differs.
   with big.scope():
-    logits = big.model.apply({'params': big.initial.params}, batch['inputs'],
-                             segments_BL=batch['segments'], positions_BL=batch['positions'])
+    logits = jax.jit(lambda p, b: big.model.apply(
+        {'params': p}, b['inputs'], segments_BL=b['segments'], positions_BL=b['positions']))(
+            big.initial.params, batch)
     losses = -np.asarray(jnp.take_along_axis(jax.nn.log_softmax(logits),
                                               batch['targets'][..., None], -1))[..., 0]
   want = (losses * batch['mask']).sum() / batch['mask'].sum()

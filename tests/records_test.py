@@ -3,23 +3,15 @@ same batches with any number of workers, exact resume, and damaged records named
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import REPO, load_config, read_metrics, stop_at
+from conftest import load_config, read_metrics, stop_at
 from zoo import data
-from zoo.data import digits, records
+from zoo.data import digits, records, writer
 from zoo.errors import ConfigError
 from zoo.run import train
-
-
-def prepare(root, output, *args):
-  cmd = [sys.executable, '-m', 'zoo.prepare', 'images', f'--input={root}', f'--output={output}',
-         *args]
-  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
 
 
 @pytest.fixture(scope='module')
@@ -28,9 +20,9 @@ def prepared(tmp_path_factory):
   pixels (what --store=auto keeps for 8x8 images) and as the PNG files."""
   root = tmp_path_factory.mktemp('records')
   digits.write_image_folder(str(root / 'png'))
-  for store in ('auto', 'file'):
-    result = prepare(root / 'png', root / store, f'--store={store}')
-    assert result.returncode == 0, result.stderr[-2000:]
+  for store in ('auto', 'file'):  # zoo.prepare's writer, in this process.
+    writer.run('images', writer.Options(inputs=(str(root / 'png'),), output=str(root / store),
+                                        store=store))
   return {'pixels': str(root / 'auto'), 'file': str(root / 'file')}
 
 

@@ -3,7 +3,6 @@ row stopping at its stop ids, with the log-probability of every drawn token."""
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

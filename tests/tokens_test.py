@@ -40,9 +40,24 @@ def dataset_dir(tmp_path_factory):
   return path
 
 
+# The mesh and length of this file's runs and in-process Trainers (the mesh test adds
+# (8, 1)): their train, eval and initialisation programs (the schedule's length is in the
+# train step's) are compiled once.
+MESH = (2, 4)
+STRAIGHT = {'train.steps': 12, 'checkpoint.every_steps': 4, 'eval.every_steps': 12}
+
+
 def _config(path, **overrides):
-  return load_config('char_lm', **{'data.name': 'tokens', 'data.path': path, 'mesh.shape': (4, 2),
+  return load_config('char_lm', **{'data.name': 'tokens', 'data.path': path, 'mesh.shape': MESH,
                                    'train.log_every_steps': 1, **overrides})
+
+
+def _trainer(dataset_dir, shape=MESH, **overrides):
+  """char_lm on the tokens in process on mesh `shape`, its eval over the whole val split:
+  the same Trainer (the programs of this file's runs) for each test here on that mesh."""
+  return trainer('char_lm', **{'data.name': 'tokens', 'data.path': dataset_dir,
+                               'mesh.shape': shape, 'eval.max_batches': 0,
+                               'train.steps': STRAIGHT['train.steps'], **overrides})
 
 
 def test_prepared_tokens_decode_to_the_documents(dataset_dir):
@@ -76,9 +91,8 @@ def test_bits_per_byte_is_bits_per_character_times_characters_per_byte(dataset_d
   characters they decode to and their UTF-8 bytes (end-of-document tokens cost bits, and
   are no bytes)."""
   del devices
-  t = trainer('char_lm', **{'data.name': 'tokens', 'data.path': dataset_dir, 'mesh.shape': (4, 2),
-                            'eval.max_batches': 0})
-  t.run(20)
+  t = _trainer(dataset_dir)
+  t.run(STRAIGHT['train.steps'])
   result = train.evaluate(t.eval_step, t.state, t.setup)
   apply = jax.jit(lambda params, batch: jax.nn.log_softmax(t.model.apply(
       {'params': params}, batch['inputs'], segments_BL=batch['segments'],
@@ -100,8 +114,7 @@ def test_bits_per_byte_is_bits_per_character_times_characters_per_byte(dataset_d
 
 def test_stop_and_resume_is_exact(dataset_dir, tmp_path, monkeypatch, devices):
   del devices
-  config = lambda: _config(dataset_dir, **{'train.steps': 12, 'checkpoint.every_steps': 4,
-                                           'eval.every_steps': 12})
+  config = lambda: _config(dataset_dir, **STRAIGHT)
   train.train_and_evaluate(config(), str(tmp_path / 'straight'))
   stop_at(monkeypatch, 6)
   train.train_and_evaluate(config(), str(tmp_path / 'resumed'))
@@ -114,8 +127,7 @@ def test_stop_and_resume_is_exact(dataset_dir, tmp_path, monkeypatch, devices):
 
 def test_same_losses_on_every_mesh(dataset_dir, devices):
   del devices
-  runs = [trainer('char_lm', **{'data.name': 'tokens', 'data.path': dataset_dir,
-                               'mesh.shape': shape}).run(4) for shape in [(8, 1), (2, 4)]]
+  runs = [_trainer(dataset_dir, shape).run(4) for shape in [(8, 1), (2, 4)]]
   np.testing.assert_allclose(runs[0], runs[1], rtol=2e-5)
 
 
@@ -190,8 +202,7 @@ def test_bad_datasets_are_named_with_their_fix(dataset_dir, tmp_path, how, overr
 
 def test_a_larger_model_vocabulary_is_allowed(dataset_dir, devices):
   del devices
-  t = trainer('char_lm', **{'data.name': 'tokens', 'data.path': dataset_dir, 'mesh.shape': (4, 2),
-                            'model.vocab_size': 300})
+  t = _trainer(dataset_dir, **{'model.vocab_size': 300})
   assert t.model.vocab_size == 300 and np.isfinite(t.run(1)[0])
 
 
@@ -201,17 +212,21 @@ def test_unknown_dataset_name_lists_tokens_and_records():
     cfg.validate(load_config('char_lm', **{'data.name': 'tokenz'}), 8)
 
 
-def test_sampling_encodes_and_decodes_with_the_datasets_tokenizer(dataset_dir, tmp_path, devices):
+def test_sampling_encodes_and_decodes_with_the_datasets_tokenizer(dataset_dir, tmp_path,
+                                                                   monkeypatch, devices):
   """A byte-level model continues a prompt with characters a character model never saw."""
   del devices
   from zoo.run import sampling  # pylint: disable=import-outside-toplevel
   workdir = str(tmp_path / 'run')
-  train.train_and_evaluate(_config(dataset_dir, **{'train.steps': 2, 'eval.max_batches': 1,
-                                                   'checkpoint.async_save': False}), workdir)
+  # This file's run stopped (as by SIGTERM) after 2 steps, so its programs compile once: a
+  # nearly random model, whose greedy bytes vary (12 steps: 'the the the ').
+  stop_at(monkeypatch, 2)
+  train.train_and_evaluate(_config(dataset_dir, **STRAIGHT), workdir)
   prompt, num_tokens = 'caf\u00e9 \u2603 ', 20  # 10 bytes + 20 <= max_len 32: the cache.
   [greedy] = sampling.generate(workdir, [prompt], num_tokens, temperature=0.0)
   assert greedy['prompt_ids'] == list(prompt.encode('utf-8'))  # Byte tokens: ids are bytes.
   assert len(greedy['ids']) == num_tokens and greedy['sample'] == prompt + greedy['text']
+  assert len(set(greedy['ids'])) > 5, greedy['ids']  # Varied enough to compare meshes.
   for mesh_shape in ('1,8', '4,2'):
     assert sampling.generate(workdir, [prompt], num_tokens, temperature=0.0,
                            mesh_shape=mesh_shape) == [greedy]
