@@ -164,8 +164,9 @@ PLAIN_SGD = {'optimizer.name': 'sgd', 'optimizer.learning_rate': 1.0, 'optimizer
 
 
 def test_the_loss_is_the_mean_over_counted_targets_across_microbatches(packed_dir, devices):
-  """The step's loss is sum(loss * mask) / sum(mask) over the global batch, and 4
-  microbatches (each with its own share of padding) give the same gradient as one."""
+  """The step's loss is sum(loss * mask) / sum(mask) over the global batch, its update
+  minus that loss's gradient (plain SGD), and 4 microbatches (each with its own share of
+  padding) give the same gradient as one."""
   del devices
   big = _packed_lm(packed_dir, **PLAIN_SGD)
   accumulated = _packed_lm(packed_dir, **PLAIN_SGD, **{'train.microbatches': 4})
@@ -174,18 +175,24 @@ def test_the_loss_is_the_mean_over_counted_targets_across_microbatches(packed_di
   batch = big.dataset.train_batch(0, 16, slice(None))
   shares = batch['mask'].reshape(4, 4, -1).swapaxes(0, 1).reshape(4, -1).sum(1)
   assert len(set(shares.tolist())) > 1  # The microbatches' padding differs.
+  def reference(params):
+    """The mean over counted targets, from whole logits."""
+    logits = big.model.apply({'params': params}, batch['inputs'], segments_BL=batch['segments'],
+                             positions_BL=batch['positions'])
+    losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch['targets'][..., None],
+                                  -1)[..., 0]
+    return (losses * batch['mask']).sum() / batch['mask'].sum()
   with big.scope():
-    logits = jax.jit(lambda p, b: big.model.apply(
-        {'params': p}, b['inputs'], segments_BL=b['segments'], positions_BL=b['positions']))(
-            big.initial.params, batch)
-    losses = -np.asarray(jnp.take_along_axis(jax.nn.log_softmax(logits),
-                                              batch['targets'][..., None], -1))[..., 0]
-  want = (losses * batch['mask']).sum() / batch['mask'].sum()
-  assert big.metrics[0]['train/loss'] == pytest.approx(want, rel=1e-5)
+    want, grads = jax.jit(jax.value_and_grad(reference))(big.initial.params)
+  assert big.metrics[0]['train/loss'] == pytest.approx(float(want), rel=1e-5)
+  # Plain SGD at rate 1: the step moved every parameter by exactly minus its gradient.
+  for new, old, grad in zip(*(jax.tree.leaves(t) for t in (big.state.params, big.initial.params,
+                                                           grads))):
+    np.testing.assert_allclose(new, np.asarray(old) - np.asarray(grad), rtol=1e-4, atol=1e-6)
   assert big.metrics[0]['train/padding'] == pytest.approx(1 - batch['mask'].mean(), rel=1e-5)
   for a, b in zip(jax.tree.leaves(accumulated.state.params), jax.tree.leaves(big.state.params)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-  assert accumulated.metrics[0]['train/loss'] == pytest.approx(want, rel=1e-5)
+  assert accumulated.metrics[0]['train/loss'] == pytest.approx(float(want), rel=1e-5)
 
 
 @pytest.mark.skipif(not __import__('importlib').util.find_spec('jax_cuda12_plugin'),
