@@ -6,8 +6,8 @@ Meta's reference code and Hugging Face's `_compute_llama3_parameters`).
 Frequencies are computed in float32 with jax.numpy, inside the traced model: under
 `jax.eval_shape` (the preflight, before a size is checked) they are shapes, not arrays, so
 a huge head_dim is refused by the memory bound instead of filling the host. A layer's
-rotation is then `rotate(x, positions, frequencies)`. Pairs of features (i, i + H/2) turn together,
-Hugging Face's `rotate_half` layout.
+rotation is then `rotate(x, positions, frequencies)`. Pairs of features (i, i + H/2) turn
+together, Hugging Face's `rotate_half` layout.
 """
 import dataclasses
 import math
@@ -46,6 +46,7 @@ class Rope:
       medium = ~(wavelength < original / high) & ~(wavelength > original / low)
       return jnp.where(medium, ramp, scaled)
     return inv
+
 
 def rotate(x_BLNH: jax.Array, positions_BL: jax.Array, frequencies_H: jax.Array) -> jax.Array:
   """x turned by the angles positions x frequencies (H/2 of them), in float32."""
