@@ -206,15 +206,18 @@ def trainer(experiment, **overrides):
 class Trainer:
   """An experiment's Setup, state and jitted steps on its mesh, in process, for numerics tests."""
 
-  def __init__(self, config):
+  def __init__(self, config, devices=None):
+    """On `devices` (default: all of them), as a process that has only those would run."""
     from zoo.run import config as cfg, setup  # pylint: disable=import-outside-toplevel
     from zoo import data
     from zoo.data import feed  # pylint: disable=import-outside-toplevel
     import jax  # pylint: disable=import-outside-toplevel
-    cfg.validate(config, jax.device_count())  # No test runs a config that a user could not.
+    # No test runs a config that a user could not.
+    cfg.validate(config, len(devices) if devices else jax.device_count())
     self.config, self.jax = config, jax
     self.dataset = data.load(config.data, config.seed)
-    self.setup = setup.build(config, self.dataset)  # What train.train_and_evaluate builds.
+    # What train.train_and_evaluate builds.
+    self.setup = setup.build(config, self.dataset, devices=devices)
     self.mesh, self.rules, self.model = self.setup.mesh, self.setup.rules, self.setup.model
     self.shardings = self.setup.state_shardings
     self.train_batch = feed.TrainBatches(self.dataset, self.setup.batch_sharding,

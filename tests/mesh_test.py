@@ -3,11 +3,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import load_config, trainer
-from zoo import data
-from zoo.data import feed
-from zoo.run import config as cfg
-from zoo.run import setup as setup_lib
+from conftest import Trainer, load_config, trainer
 
 STEPS = 8
 MESHES = [(8, 1), (2, 4), (1, 8)]  # Data parallel, mixed, tensor parallel.
@@ -18,19 +14,10 @@ def _one_device_losses(name):
   process, on its first device: the program compiled for one device is the one a
   one-device process runs; the command line on one device is checkpoint_test's
   test_eight_devices_to_one_and_back.)"""
-  config = load_config(name, **{'mesh.shape': (1, 1), 'train.steps': STEPS})
-  cfg.validate(config, 1)  # A config that one device runs.
-  dataset = data.load(config.data, config.seed)
-  s = setup_lib.build(config, dataset, devices=jax.devices()[:1])
-  assert s.mesh.size == 1
-  batches = feed.TrainBatches(dataset, s.batch_sharding, config.train.batch_size)
-  losses = []
-  with s.scope():
-    state, train_step = s.create_state(), s.jit_train_step()
-    for step in range(STEPS):
-      state, metrics = train_step(state, batches(step))
-      losses.append(float(metrics['train/loss']))
-  return np.array(losses)
+  t = Trainer(load_config(name, **{'mesh.shape': (1, 1), 'train.steps': STEPS}),
+              devices=jax.devices()[:1])
+  assert t.mesh.size == 1
+  return np.array(t.run(STEPS))
 
 
 @pytest.mark.parametrize('name', ['mlp_digits', 'cnn_digits', 'char_lm'])
