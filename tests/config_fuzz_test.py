@@ -13,11 +13,14 @@ experiment. A new experiment adds cases only for the fields that no other experi
 shares. Every field of every experiment has bad values tried somewhere, and can be set
 from the command line (the last two tests).
 """
+import atexit
 import functools
 import json
 import math
 import os
+import shutil
 import signal
+import tempfile
 
 import ml_collections
 import pytest
@@ -29,14 +32,25 @@ from zoo.errors import ConfigError
 from zoo.run import config as cfg
 from zoo.run import setup as setup_lib
 
-# The experiments whose config needs an argument (an imported model's workdir): their
-# fields are all shared with others (transformer_lm's, the tokens source's, the run's),
-# which the last tests check; model.lora's bad values are also tests/lora_test.py's.
-NEEDS_ARGUMENT = ('finetune_lm', 'finetune_chat')
+# The experiments whose config needs an argument (the workdir of the model they tune).
+# The fine-tuning ones' fields are all shared with others (transformer_lm's, the tokens
+# source's, the run's), which the last tests check; model.lora's bad values are also
+# tests/lora_test.py's. dpo_lm owns the preference source's: it is tried with a stand-in
+# workdir (a config.json: the preflight reads no checkpoint).
+NEEDS_ARGUMENT = ('finetune_lm', 'finetune_chat', 'dpo_lm')
+STAND_IN = tempfile.mkdtemp(prefix='zoo-fuzz-workdir-')
+atexit.register(shutil.rmtree, STAND_IN, True)
+with open(os.path.join(STAND_IN, 'config.json'), 'w', encoding='utf-8') as _f:
+  json.dump({'model': {'name': 'transformer_lm', 'num_layers': 1, 'd_model': 16, 'num_heads': 2,
+                       'mlp_dim': 64, 'max_len': 32, 'vocab_size': 257, 'use_bias': True,
+                       'tie_embeddings': True, 'num_kv_heads': None}}, _f)
 ALL = tuple(sorted(f[:-3] for f in os.listdir(os.path.join(REPO, 'experiments'))
                    if f.endswith('.py')))
 # The run's fields are tried on the first, the quickest to check; ties go to the earlier.
-EXPERIMENTS = ('mlp_digits',) + tuple(n for n in ALL if n not in NEEDS_ARGUMENT + ('mlp_digits',))
+EXPERIMENTS = ('mlp_digits',) + tuple(n for n in ALL if n not in NEEDS_ARGUMENT + ('mlp_digits',)
+                                      ) + ('dpo_lm',)
+# Experiments whose data a test makes (their configs name files that zoo.prepare writes).
+PREPARED = {'bpe_lm': 'tokens', 'sort_lm': 'tokens', 'dpo_lm': 'preference'}
 SECONDS = 30  # A case's preflight bound: a value that makes it hang fails the test.
 
 
@@ -106,7 +120,7 @@ def _bad_values(value, kind=None):
 
 @functools.lru_cache(maxsize=None)
 def _config(name):
-  return load_config(name)
+  return load_config(name, f'{STAND_IN},smoke' if name in NEEDS_ARGUMENT else 'smoke')
 
 
 def _representatives() -> dict:
@@ -158,8 +172,8 @@ def _cached_data(monkeypatch):
 
 
 @pytest.fixture(scope='module')
-def token_data(tmp_path_factory):
-  """A small token dataset (bytes) for bpe_lm, whose config names one that zoo.prepare wrote."""
+def tokens_data(tmp_path_factory):
+  """A small token dataset (bytes) for the experiments whose config names one."""
   from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   from zoo.data import tokens  # pylint: disable=import-outside-toplevel
   root = tmp_path_factory.mktemp('fuzz_tokens')
@@ -173,12 +187,28 @@ def token_data(tmp_path_factory):
   return str(root / 'data')
 
 
+@pytest.fixture(scope='module')
+def preference_data(tmp_path_factory):
+  """A few preference pairs (bytes), prepared as `zoo.prepare preference` writes them."""
+  from zoo.data import preference  # pylint: disable=import-outside-toplevel
+  from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  root = tmp_path_factory.mktemp('fuzz_pairs')
+  tokenizer_lib.bytes_tokenizer().save(str(root / 'tokenizer.json'))
+  (root / 'pairs.jsonl').write_text(''.join(json.dumps(
+      {'prompt': f'{i} +', 'chosen': f' {i + 1}', 'rejected': f' {i + 2}'}) + '\n'
+      for i in range(40)))
+  (root / 'data').mkdir()
+  preference.prepare([str(root / 'pairs.jsonl')], str(root / 'data'), str(root / 'tokenizer.json'),
+                     val_fraction=0.2, seed=0)
+  return str(root / 'data')
+
+
 @pytest.mark.parametrize('experiment,field,value', CASES)
 def test_a_bad_value_is_accepted_or_refused_naming_its_field(experiment, field, value, devices,
-                                                            token_data):
-  config = load_config(experiment)
-  if experiment == 'bpe_lm':
-    config.data.path = token_data
+                                                            request):
+  config = load_config(experiment, f'{STAND_IN},smoke' if experiment in NEEDS_ARGUMENT else 'smoke')
+  if experiment in PREPARED:
+    config.data.path = request.getfixturevalue(f'{PREPARED[experiment]}_data')
   *groups, leaf = field.split('.')
   node = config
   for g in groups:

@@ -6,7 +6,7 @@ zoo.data.feed turns their rows into global arrays on the devices.
 """
 import ml_collections
 
-from zoo.data import digits, npz, records, seq, text, tokens
+from zoo.data import digits, npz, preference, records, seq, text, tokens
 from zoo.data.dataset import DataSource, Dataset
 
 DATASETS: dict[str, DataSource] = {
@@ -16,6 +16,7 @@ DATASETS: dict[str, DataSource] = {
     'npz': npz.SOURCE,
     'tokens': tokens.SOURCE,
     'records': records.SOURCE,
+    'preference': preference.SOURCE,
 }
 
 

@@ -21,6 +21,17 @@ METADATA = 'metadata.json'  # Written last into a prepared dataset's directory.
 
 
 @dataclasses.dataclass(frozen=True)
+class Reference:
+  """Per-example figures of a reference model that a dataset's batches carry (preference
+  pairs: each completion's log-probability, `reference` [B, 2]), computed once by the run
+  (zoo.run.reference) and filled in place: `tables` split -> [N, ...] float32, NaN until
+  then; `batches` split -> (global_batch_size, rows) -> the split's batches in example
+  order, padded with `weights` (what the reference model scores)."""
+  tables: dict
+  batches: dict
+
+
+@dataclasses.dataclass(frozen=True)
 class Dataset:
   """What the trainer needs of a dataset. `rows` selects this process's slice of a batch."""
   task: str                 # A key of zoo.run.tasks.TASKS: the models that consume it.
@@ -53,6 +64,8 @@ class Dataset:
   # window), and the ids that end the reply there.
   sample_prompt: Optional[list] = None
   stop_ids: tuple = ()
+  # Figures of a reference model that the batches carry (preference pairs); None: none.
+  reference: Optional[Reference] = None
 
 
 def _no_check(data_config: ml_collections.ConfigDict) -> None:

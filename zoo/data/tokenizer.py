@@ -9,6 +9,7 @@
 the measure that compares models whatever their tokenizer.
 """
 import json
+import os
 import re
 from typing import Iterable, Iterator
 
@@ -68,6 +69,19 @@ def train_bpe(documents: Iterable[str], vocab_size: int) -> tokenizers.Tokenizer
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
   tokenizer.train_from_iterator(documents, trainer)
   return tokenizer
+
+
+def resolve(spec: str) -> str:
+  """The tokenizer.json that --tokenizer names: the file, a model's directory, or a zoo
+  workdir (its own, or the token dataset it trained on)."""
+  if not os.path.isdir(spec):
+    return spec
+  own = os.path.join(spec, 'tokenizer.json')
+  if os.path.isfile(own) or not os.path.isfile(os.path.join(spec, 'config.json')):
+    return own
+  with open(os.path.join(spec, 'config.json'), encoding='utf-8') as f:
+    data_path = (json.load(f).get('data') or {}).get('path') or ''
+  return storage.join(data_path, 'tokenizer.json') if data_path else own
 
 
 def load(path: str, field: str = '--tokenizer',

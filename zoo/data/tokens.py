@@ -400,12 +400,13 @@ def split_documents(files, field, column, val_fraction, seed, want,
 
 
 def make_tokenizer(spec: str, vocab_size: int, train_documents: Iterator[str]) -> Any:
-  """'bytes', 'bpe' (trained on `train_documents`) or a tokenizer.json path."""
+  """'bytes', 'bpe' (trained on `train_documents`), a tokenizer.json, or the directory of a
+  model or zoo run that has one (tokenizer.resolve)."""
   if spec == 'bytes':
     return tokenizer_lib.bytes_tokenizer()
   if spec == 'bpe':
     return tokenizer_lib.train_bpe(train_documents, vocab_size)
-  return tokenizer_lib.load(spec)
+  return tokenizer_lib.load(tokenizer_lib.resolve(spec))
 
 
 def prepare(files: list[str], directory: str, tokenizer: Any, *, field: str = 'text',

@@ -45,8 +45,9 @@ class Options:
   chat_template: str = ''
 
 
-KINDS = ('text', 'chat', 'images')
-TOKEN_KINDS = ('text', 'chat')  # Token datasets: a validation split, bucket outputs.
+KINDS = ('text', 'chat', 'preference', 'images')
+# Token datasets: a validation split, bucket outputs.
+TOKEN_KINDS = ('text', 'chat', 'preference')
 
 
 def progress_bar(total: int, description: str, unit: str = 'B'):
@@ -149,6 +150,25 @@ def chat_writer(o: Options) -> Callable[[str], str]:
   return lambda partial: _val_rounded_up(attempt, partial, o, 'conversation')
 
 
+def preference_writer(o: Options) -> Callable[[str], str]:
+  """Checks the inputs and the model's tokenizer; returns partial -> summary, which writes
+  the pairs (zoo.data.preference)."""
+  from zoo.data import documents, preference  # pylint: disable=import-outside-toplevel
+  files = documents.expand(o.inputs, o.exclude)
+  if not all(f.endswith('.jsonl') for f in files):
+    raise ConfigError('--input: preference pairs are JSON Lines files (.jsonl), one {"prompt": '
+                      '..., "chosen": ..., "rejected": ...} per line; got ' + ', '.join(files[:3]))
+  if o.tokenizer in ('bytes', 'bpe'):
+    raise ConfigError(f'--tokenizer: pairs are tokenized by the model\'s own tokenizer: give its '
+                      f'directory, its zoo workdir or its tokenizer.json, not {o.tokenizer!r}')
+
+  def write(partial):
+    meta = preference.prepare(files, partial, o.tokenizer, val_fraction=o.val_fraction,
+                              seed=o.seed, chat_template=o.chat_template)
+    return f'vocabulary {meta["vocab_size"]:,}\n' + preference.describe(meta)
+  return write
+
+
 def images_writer(o: Options) -> Callable[[str], str]:
   """Checks the image-folder tree (every image is decoded once); returns partial -> summary,
   which writes the record dataset."""
@@ -172,7 +192,8 @@ def run(kind: str, o: Options) -> None:
   input or a failed write, after which nothing is left at o.output."""
   if kind not in KINDS:
     raise ConfigError(f'unknown kind {kind!r}; give one of: {", ".join(KINDS)} '
-                      '(python -m zoo.prepare text|chat|images --input=... --output=...)')
+                      '(python -m zoo.prepare text|chat|preference|images --input=... '
+                      '--output=...)')
   tokens = kind in TOKEN_KINDS
   if not 0 <= o.val_fraction < 1 or (tokens and not o.val_fraction):
     raise ConfigError(f'--val_fraction: must be in {"(0" if tokens else "[0"}, 1), got '
@@ -183,7 +204,8 @@ def run(kind: str, o: Options) -> None:
     _run_to_bucket(kind, o, t0)
     return
   path = atomic.check_output(o.output, o.overwrite)
-  write = {'text': text_writer, 'chat': chat_writer, 'images': images_writer}[kind](o)
+  write = {'text': text_writer, 'chat': chat_writer, 'preference': preference_writer,
+           'images': images_writer}[kind](o)
   partial = f'{path}.partial-{os.getpid()}'
   created = [d for d in atomic.ancestors(partial) if not os.path.exists(d)]
   os.makedirs(partial)
@@ -221,7 +243,7 @@ def _run_to_bucket(kind: str, o: Options, t0: float) -> None:
     if not atomic.is_dataset(url):
       raise ConfigError(f'--output: {url} is not a dataset that zoo.prepare wrote (no zoo '
                         'metadata.json), so --overwrite will not replace it; pick another --output')
-  write = (chat_writer if kind == 'chat' else text_writer)(o)
+  write = {'text': text_writer, 'chat': chat_writer, 'preference': preference_writer}[kind](o)
   with tempfile.TemporaryDirectory(prefix='zoo-prepare-') as local:  # $TMPDIR: room for it.
     summary = write(local)
     try:

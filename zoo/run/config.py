@@ -92,6 +92,10 @@ def base_config() -> ml_collections.ConfigDict:
   # is blocked ~4x less on CPU). True: replicas split the write, which pays off only when
   # many hosts hold copies of large replicated arrays.
   c.checkpoint.replica_parallel = False
+  c.dpo = ml_collections.ConfigDict()     # Preference pairs (zoo.run.tasks.Preference).
+  c.dpo.beta = 0.1                        # How far from the reference: larger, closer.
+  c.dpo.loss = 'sigmoid'                  # sigmoid (DPO; cDPO with label_smoothing) or ipo.
+  c.dpo.label_smoothing = 0.0             # sigmoid: the chance a pair's label is flipped.
   return c
 
 
@@ -234,13 +238,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
                             dcn_shape=config.mesh.dcn_shape)
   _validate_rules(config.logical_axis_rules, config.mesh.axes)
   family, source = models.MODELS[config.model.name], data.DATASETS[config.data.name]
-  if source.task is not None and family.task != source.task:
+  if source.task is not None and family.task != tasks.model_task(source.task):
     fail('data.name', f'model {config.model.name!r} trains on {family.task} data but '
          f'{config.data.name!r} is {source.task} data; pick a matching model or dataset')
   if 'seq_len' in config.data and config.data.seq_len <= 0:
     fail('data.seq_len', f'must be positive, got {config.data.seq_len}')
   source.check_config(config.data)
   _validate_run(config)
+  _validate_dpo(config.dpo)
   for field in ('train.steps', 'train.batch_size', 'train.log_every_steps',
                 'eval.every_steps', 'eval.batch_size', 'checkpoint.every_steps', 'checkpoint.keep',
                 'checkpoint.lease_seconds'):
@@ -311,6 +316,16 @@ def _validate_run(config):
          'by its file name)')
 
 
+def _validate_dpo(dpo):
+  if not 0 < dpo.beta < float('inf'):
+    fail('dpo.beta', f'must be a finite number > 0, got {dpo.beta}')
+  if dpo.loss not in tasks.DPO_LOSSES:
+    fail('dpo.loss', f'unknown loss {dpo.loss!r}; known: {", ".join(tasks.DPO_LOSSES)}')
+  if not 0 <= dpo.label_smoothing < 0.5:
+    fail('dpo.label_smoothing', f'must be in [0, 0.5) (the chance a pair\'s label is flipped), '
+         f'got {dpo.label_smoothing}')
+
+
 def _validate_batch_sizes(config, num_devices):
   """Global batches divide over the batch shards, and so do microbatches."""
   shape = mesh_lib.resolve_mesh_shape(config.mesh.shape, num_devices)
@@ -349,7 +364,7 @@ def validate_with_data(config: ml_collections.ConfigDict, dataset: Dataset,
   and (unless this is a plan, which compiles for shapes alone: a pod's batch need not fit
   the corpus at hand) enough examples for a batch."""
   family = models.MODELS[config.model.name]
-  if dataset.task != family.task:
+  if tasks.model_task(dataset.task) != family.task:
     fail('data.path', f'{config.data.path} holds {dataset.task} data but model '
          f'{config.model.name!r} trains on {family.task} data; pick a matching model or file')
   for key, needed in dataset.model_fields.items():
@@ -361,7 +376,7 @@ def validate_with_data(config: ml_collections.ConfigDict, dataset: Dataset,
     fail('train.batch_size', f'{config.train.batch_size} exceeds the {dataset.num_train} '
          f'training examples of {config.data.name!r}')
   example = dataset.train_batch(0, 1, slice(0, 1))
-  family.check_inputs(config.model, tasks.TASKS[family.task].model_inputs(example))
+  family.check_inputs(config.model, tasks.make(dataset.task, config).model_inputs(example))
   if config.eval.get('choice_tasks') and dataset.encode is None:
     fail('eval.choice_tasks', f'multiple-choice tasks score text, but {config.data.name!r} data '
          'has no tokenizer; train a language model on text or tokens')

@@ -180,8 +180,8 @@ def step_cost(setup: 'Setup', state: Any, compiled: Any) -> dict:
   if tokens:
     cost['tokens'] = tokens
   if setup.family.analytic_flops:
-    cost['lm_analytic_flops'] = setup.family.analytic_flops(setup.model,
-                                                            *setup.batch['inputs'].shape)
+    *rows, length = setup.batch['inputs'].shape  # [B, L], or preference pairs' [B, 2, L].
+    cost['lm_analytic_flops'] = setup.family.analytic_flops(setup.model, math.prod(rows), length)
   return cost
 
 

@@ -122,7 +122,8 @@ def build(config: ml_collections.ConfigDict, dataset: Dataset,
                               dcn_shape=config.mesh.dcn_shape,
                               batch_axes=sharding.batch_mesh_axes(rules))
   family = models.MODELS[config.model.name]
-  task = tasks.TASKS[family.task]
+  task = tasks.make(dataset.task if tasks.model_task(dataset.task) == family.task
+                    else family.task, config)
   model = models.build(config.model, **dataset.model_fields)
   optimizer, lr_schedule = optim.make_optimizer(config.train.steps, **config.optimizer)
   batch_sharding = jax.sharding.NamedSharding(

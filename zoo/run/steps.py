@@ -71,14 +71,14 @@ def loss(params: Any, state: TrainState, batch: dict, rng: jax.Array, task: Task
   targets that count in the whole global batch (every microbatch), plus the model's own
   weighted losses (a dict output's 'aux_loss': routed experts' router losses) at the
   batch's share of `total`. Also returns the model state the forward pass updated, and
-  {'loss': the task's loss alone, the model's 'aux_metrics'...} at that share (summed over
-  microbatches, each is the batch's)."""
+  {'loss': the task's loss alone, the task's figures over `total`, the model's
+  'aux_metrics'...} at that share (summed over microbatches, each is the batch's)."""
   out, model_state = state.apply_fn(
       {'params': params, **state.model_state}, *task.model_inputs(batch),
       **task.model_keywords(batch), train=True, rngs={'dropout': rng},
       mutable=list(state.model_state))
   value = task.loss_sum(out, batch) / total
-  figures = {'loss': value}
+  figures = {'loss': value, **{k: v / total for k, v in task.figures(out, batch).items()}}
   if isinstance(out, dict) and 'aux_loss' in out:
     share = task.counted(batch) / total
     figures.update({k: v * share for k, v in out['aux_metrics'].items()})
@@ -160,7 +160,7 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
   if lr_schedule is not None:  # The rate this update used: the count before it.
     metrics['train/learning_rate'] = lr_schedule(state.step)
   if 'mask' in batch:  # The fraction of the batch's targets that are padding.
-    metrics['train/padding'] = 1.0 - total / batch['targets'].size
+    metrics['train/padding'] = 1.0 - batch['mask'].sum(dtype=jnp.float32) / batch['mask'].size
   return new_state, metrics
 
 

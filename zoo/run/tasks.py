@@ -10,8 +10,13 @@ trainer reaches task semantics only through these objects:
 - `eval_sums(out, batch)`: what an eval batch adds up (zoo.run.steps.eval_step), and
   `metrics(sums, dataset)`: the eval metrics from those sums over the split;
 - `tokens(batch)`: the tokens a train batch trains on (sequence tasks), for tokens/s;
+- `figures(out, batch)`: sums over a train batch that are logged beside the loss, as
+  their mean per counted target (DPO's rewards and log-probs per pair);
 - `eval_sampler(model, dataset, mesh, seed, temperature)`: what an eval shows besides
   metrics (the LM's sample, logged and written to TensorBoard).
+
+Post-training tasks (DPO) train the models of another task (`MODEL_TASK`: language models)
+and take their settings from the config (`make`).
 """
 import functools
 import math
@@ -67,6 +72,11 @@ class Task:
   def counted(self, batch: dict) -> jax.Array:
     """How many targets count in `loss_sum` (float32, at least 1)."""
     return jnp.maximum(self.target_weights(batch).sum(), 1.0)
+
+  def figures(self, out: Any, batch: dict) -> dict:
+    """Sums over a train batch logged beside the loss, each over `counted` in the step."""
+    del out, batch
+    return {}
 
   def eval_sums(self, out: Any, batch: dict) -> dict:
     """Sums over an eval batch of loss, correct predictions and weight (per target for
@@ -185,4 +195,104 @@ class Seq2Seq(Task):
     return result
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (Task(), LanguageModel(), Seq2Seq())}
+DPO_LOSSES = ('sigmoid', 'ipo')
+
+
+class Preference(LanguageModel):
+  """Direct preference optimisation (Rafailov et al., arXiv:2305.18290) on pairs of
+  completions of one prompt, the chosen and the rejected.
+
+  A batch holds pairs: `inputs`, `targets` and `mask` [B, 2, L] (row 0 the chosen, row 1
+  the rejected; the mask 1 on the completion's targets) and `reference` [B, 2], each
+  completion's log-probability under the frozen reference model (zoo.run.reference computes
+  them once per example). The model sees the 2B rows; a completion's log-probability is the
+  sum of its masked targets' (the LM's per-target losses, never whole logits). With
+  h = (chosen - its reference) - (rejected - its reference), each pair's loss is
+  - `sigmoid`: -(1 - s) log sigmoid(beta h) - s log sigmoid(-beta h), s the
+    `label_smoothing` (conservative DPO, Mitchell 2023: the probability that a label is
+    flipped; TRL 1.16's sigmoid loss ignores it);
+  - `ipo` (Azar et al., arXiv:2310.12036): (h' - 1 / (2 beta))^2, with h' the same
+    difference of log-ratios each divided by its completion's length, as TRL computes it.
+  The step's loss is the mean over the global batch's pairs. Figures and eval metrics use
+  TRL's names: rewards/chosen and rewards/rejected (beta times the log-ratio),
+  rewards/margins, rewards/accuracies (chosen's reward above rejected's), logps/chosen and
+  logps/rejected (the policy's summed log-probabilities).
+  """
+  name = 'dpo'
+
+  def __init__(self, beta: float = 0.1, loss: str = 'sigmoid', label_smoothing: float = 0.0):
+    self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
+
+  @staticmethod
+  def _rows(x: jax.Array) -> jax.Array:
+    """[B, 2, ...] pairs -> [2B, ...] rows, chosen then rejected for each pair (each
+    device's pairs stay on it: the reshape moves no data)."""
+    return x.reshape((-1,) + x.shape[2:])
+
+  def model_inputs(self, batch: dict) -> list:
+    return [self._rows(x) for x in super().model_inputs(batch)]
+
+  def model_keywords(self, batch: dict) -> dict:
+    return {k: self._rows(v) for k, v in super().model_keywords(batch).items()}
+
+  def pairs(self, out: Any, batch: dict) -> dict:
+    """Each pair's loss and figures, [B] each."""
+    mask = batch['mask'].astype(jnp.float32)                            # [B, 2, L]
+    logps = -(out['loss'].reshape(mask.shape) * mask).sum(-1)          # [B, 2]
+    ratios = logps - batch['reference'].astype(jnp.float32)
+    if self.loss == 'ipo':
+      h = (ratios / jnp.maximum(mask.sum(-1), 1.0)) @ jnp.array([1.0, -1.0])
+      losses = (h - 1 / (2 * self.beta)) ** 2
+    else:
+      h = self.beta * (ratios[:, 0] - ratios[:, 1])
+      s = self.label_smoothing
+      losses = -(1 - s) * jax.nn.log_sigmoid(h) - s * jax.nn.log_sigmoid(-h)
+    rewards = self.beta * ratios
+    return {'loss': losses, 'rewards/chosen': rewards[:, 0], 'rewards/rejected': rewards[:, 1],
+            'rewards/margins': rewards[:, 0] - rewards[:, 1],
+            'rewards/accuracies': (rewards[:, 0] > rewards[:, 1]).astype(jnp.float32),
+            'logps/chosen': logps[:, 0], 'logps/rejected': logps[:, 1]}
+
+  def loss_sum(self, out: Any, batch: dict) -> jax.Array:
+    return self.pairs(out, batch)['loss'].sum()
+
+  def counted(self, batch: dict) -> jax.Array:
+    """Pairs: the loss is their mean."""
+    return jnp.asarray(batch['reference'].shape[0], jnp.float32)
+
+  def figures(self, out: Any, batch: dict) -> dict:
+    return {k: v.sum() for k, v in self.pairs(out, batch).items() if k != 'loss'}
+
+  def eval_sums(self, out: Any, batch: dict) -> dict:
+    weights = batch['weights'].astype(jnp.float32)
+    sums = {k: (v * weights).sum() for k, v in self.pairs(out, batch).items()}
+    sums['weight'] = weights.sum()
+    return sums
+
+  def metrics(self, sums: dict, dataset: 'Dataset') -> dict:
+    del dataset
+    return {f'eval/{k}': float(v / sums['weight']) for k, v in sums.items() if k != 'weight'}
+
+  def tokens(self, batch: dict) -> Optional[int]:
+    return math.prod(batch['targets'].shape)
+
+  def eval_sampler(self, model, dataset, mesh, seed, temperature):
+    del model, dataset, mesh, seed, temperature
+    return None
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Task(), LanguageModel(), Seq2Seq(), Preference())}
+# Post-training tasks -> the task of the models they train.
+MODEL_TASK = {'dpo': 'lm'}
+
+
+def model_task(name: str) -> str:
+  """The task of the models that data of task `name` trains."""
+  return MODEL_TASK.get(name, name)
+
+
+def make(name: str, config: Any) -> Task:
+  """The task `name` with the run's settings (config.dpo for DPO)."""
+  if name == 'dpo':
+    return Preference(**dict(config.get('dpo', {})))
+  return TASKS[name]

@@ -14,7 +14,7 @@ from zoo.data import choice, feed
 from zoo.errors import NonFiniteError
 from zoo.parallel import sharding
 from zoo.run import config as cfg
-from zoo.run import memory, perf, profiling, steps
+from zoo.run import memory, perf, profiling, reference, steps
 from zoo.run import setup as setup_lib
 from zoo.store import checkpoint, metrics
 from zoo.store.workdir import Workdir
@@ -215,6 +215,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
     start = int(state.step)
     if is_main:
       workdir.write_text(Workdir.CONFIG, config.to_json_best_effort(indent=2))
+    if setup.dataset.reference is not None:  # DPO: each pair's reference log-probabilities.
+      reference.attach(setup, state, workdir)
     logging.info('mesh %s; config:\n%s', dict(mesh.shape), config)
     logging.info('parameters:\n%s', sharding.format_param_table(setup.param_table()))
     writer = metrics.MetricWriter(workdir.path, is_main, start,
