@@ -11,9 +11,15 @@ DPO (experiments/dpo_lm.py) and GRPO tune, on 2 CPU cores.
         --config.data.path=data/sort_pairs
 
 Each document is `sort 3 1 4 1 5 9: 1 1 3 4 5 9` in bytes, packed into windows; the steps
-are deliberately few, so that the model sorts most prompts but not all and post-training has
-something to fix. A Llama-layout decoder (rotary positions, RMSNorm, SwiGLU) of 0.2M
+are deliberately few (360, 26 s on 2 cores), so that the model sorts most prompts but not
+all (63% of held-out prompts greedily; after 1,000 steps, all) and post-training has
+something to fix. A Llama-layout decoder (rotary positions, RMSNorm, SwiGLU) of 0.15M
 parameters. `:smoke`: seconds.
+
+    python -m zoo.prepare prompts --input=data/sort/prompts.jsonl --output=data/sort_prompts \
+        --tokenizer=runs/sort --val_fraction=0.3
+    python -m zoo.main --config=experiments/grpo_sort.py:runs/sort --workdir=runs/sort_grpo \
+        --config.data.path=data/sort_prompts
 """
 from zoo.run.config import base_config, model_config
 
@@ -31,17 +37,17 @@ def get_config(arg=None):
   c.data.name = 'tokens'
   c.data.path = 'data/sort_sft'
   c.data.seq_len = 64
-  c.train.steps = 300
+  c.train.steps = 360
   c.train.batch_size = 32
   c.train.log_every_steps = 50
   c.optimizer.learning_rate = 3e-3
   c.optimizer.warmup_steps = 30
   c.optimizer.weight_decay = 0.0
-  c.eval.every_steps = 100
+  c.eval.every_steps = 120
   c.eval.batch_size = 32
   c.eval.max_batches = 0
   c.eval.sample_temperature = 0.0
-  c.checkpoint.every_steps = 300
+  c.checkpoint.every_steps = 360
   if 'smoke' in variants:
     c.train.update(steps=6, batch_size=8, log_every_steps=2)
     c.eval.update(every_steps=3, batch_size=8, max_batches=2)

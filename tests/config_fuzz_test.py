@@ -35,9 +35,9 @@ from zoo.run import setup as setup_lib
 # The experiments whose config needs an argument (the workdir of the model they tune).
 # The fine-tuning ones' fields are all shared with others (transformer_lm's, the tokens
 # source's, the run's), which the last tests check; model.lora's bad values are also
-# tests/lora_test.py's. dpo_lm owns the preference source's: it is tried with a stand-in
-# workdir (a config.json: the preflight reads no checkpoint).
-NEEDS_ARGUMENT = ('finetune_lm', 'finetune_chat', 'dpo_lm')
+# tests/lora_test.py's. dpo_lm and grpo_sort own the preference and prompts sources': they
+# are tried with a stand-in workdir (a config.json: the preflight reads no checkpoint).
+NEEDS_ARGUMENT = ('finetune_lm', 'finetune_chat', 'dpo_lm', 'grpo_sort')
 STAND_IN = tempfile.mkdtemp(prefix='zoo-fuzz-workdir-')
 atexit.register(shutil.rmtree, STAND_IN, True)
 with open(os.path.join(STAND_IN, 'config.json'), 'w', encoding='utf-8') as _f:
@@ -48,9 +48,10 @@ ALL = tuple(sorted(f[:-3] for f in os.listdir(os.path.join(REPO, 'experiments'))
                    if f.endswith('.py')))
 # The run's fields are tried on the first, the quickest to check; ties go to the earlier.
 EXPERIMENTS = ('mlp_digits',) + tuple(n for n in ALL if n not in NEEDS_ARGUMENT + ('mlp_digits',)
-                                      ) + ('dpo_lm',)
+                                      ) + ('dpo_lm', 'grpo_sort')
 # Experiments whose data a test makes (their configs name files that zoo.prepare writes).
-PREPARED = {'bpe_lm': 'tokens', 'sort_lm': 'tokens', 'dpo_lm': 'preference'}
+PREPARED = {'bpe_lm': 'tokens', 'sort_lm': 'tokens', 'dpo_lm': 'preference',
+            'grpo_sort': 'prompts'}
 SECONDS = 30  # A case's preflight bound: a value that makes it hang fails the test.
 
 
@@ -200,6 +201,20 @@ def preference_data(tmp_path_factory):
   (root / 'data').mkdir()
   preference.prepare([str(root / 'pairs.jsonl')], str(root / 'data'), str(root / 'tokenizer.json'),
                      val_fraction=0.2, seed=0)
+  return str(root / 'data')
+
+
+@pytest.fixture(scope='module')
+def prompts_data(tmp_path_factory):
+  """A few sorting prompts (bytes), prepared as `zoo.prepare prompts` writes them."""
+  from zoo.data import prompts, sorting  # pylint: disable=import-outside-toplevel
+  from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  root = tmp_path_factory.mktemp('fuzz_prompts')
+  tokenizer_lib.bytes_tokenizer().save(str(root / 'tokenizer.json'))
+  sorting.write(str(root / 'sort'), sft=1, pairs=1, prompts=40)
+  (root / 'data').mkdir()
+  prompts.prepare([str(root / 'sort' / 'prompts.jsonl')], str(root / 'data'),
+                  str(root / 'tokenizer.json'), val_fraction=0.2, seed=0)
   return str(root / 'data')
 
 

@@ -251,3 +251,30 @@ def test_every_kind_of_prepare_takes_the_models_directory(qwen, tuned, tmp_path)
     writer.run('text', writer.Options(inputs=(str(docs),), output=str(out), val_fraction=0.2,
                                       tokenizer=directory))
     assert json.loads((out / 'metadata.json').read_text())['vocab_size'] == 257
+
+
+def test_conversational_pairs_train_on_what_the_template_adds_for_each_completion(qwen, tmp_path):
+  """TRL's conversational format: the prompt rendered with the generation prompt, each
+  completion as the rest of the conversation the template renders (the mask covers it)."""
+  from zoo.data import preference  # pylint: disable=import-outside-toplevel
+  template = os.path.join(os.path.dirname(preference.__file__), 'templates',
+                          'question_answer.jinja')
+  pairs = tmp_path / 'chat.jsonl'
+  pairs.write_text(''.join(json.dumps({
+      'prompt': [{'role': 'user', 'content': f'sort {i} 1'}],
+      'chosen': [{'role': 'assistant', 'content': f'1 {i}'}],
+      'rejected': [{'role': 'assistant', 'content': f'{i} 1'}]}) + '\n' for i in range(2, 9)))
+  out = str(tmp_path / 'out')
+  writer.run('preference', writer.Options(inputs=(str(pairs),), output=out, val_fraction=0.3,
+                                          tokenizer=qwen['workdir'], chat_template=template))
+  config = _config(qwen)
+  config.data.path = out
+  from zoo import data  # pylint: disable=import-outside-toplevel
+  dataset = data.load(config.data, 0)
+  batch = dataset.train_batch(0, 1, slice(0, 1))
+  for row, want in ((0, '1 {d}\n'), (1, '{d} 1\n')):  # trim_blocks eats one newline.
+    mask = batch['mask'][0, row].astype(bool)
+    prompt = dataset.decode(batch['inputs'][0, row][:np.argmax(mask) + 1])
+    digit = prompt.split('sort ')[1][0]
+    assert prompt == f'### Question:\nsort {digit} 1\n\n### Answer:\n'
+    assert dataset.decode(batch['targets'][0, row][mask]) == want.format(d=digit)

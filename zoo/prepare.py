@@ -1,4 +1,4 @@
-r"""Builds datasets that training reads per process: `python -m zoo.prepare text|chat|preference|images`.
+r"""Builds datasets that training reads per process: `python -m zoo.prepare text|chat|preference|prompts|images`.
 
     python -m zoo.prepare text --input='corpus/*.txt' --output=data/corpus --tokenizer=bpe \
         --vocab_size=8192
@@ -9,12 +9,15 @@ r"""Builds datasets that training reads per process: `python -m zoo.prepare text
         --tokenizer=runs/imported
     python -m zoo.prepare preference --input=pairs.jsonl --output=data/pairs \
         --tokenizer=runs/imported
+    python -m zoo.prepare prompts --input=prompts.jsonl --output=data/prompts \
+        --tokenizer=runs/imported
     python -m zoo.prepare images --input=path/to/imagefolder --output=data/images
 
 `text` writes a token dataset (zoo.data.tokens: `--config.data.name=tokens`), `chat` one of
 conversations rendered with the model's chat template and a loss mask on the assistant's
 tokens (zoo.data.chat), `preference` pairs of completions for DPO (zoo.data.preference:
-`--config.data.name=preference`), `images` a record dataset (zoo.data.records:
+`--config.data.name=preference`), `prompts` prompts for GRPO with the fields their rewards
+read (zoo.data.prompts: `--config.data.name=prompts`), `images` a record dataset (zoo.data.records:
 `--config.data.name=records`). The output appears whole
 or not at all: it is written into `OUTPUT.partial-<pid>` and renamed when complete, so an
 interrupted prepare leaves nothing that training accepts. An existing OUTPUT is replaced
@@ -44,7 +47,7 @@ _SEED = flags.DEFINE_integer('seed', 0, 'Seeds the train/validation split.')
 _TOKENIZER = flags.DEFINE_string(
     'tokenizer', 'bytes', "text: 'bytes' (one token per UTF-8 byte), 'bpe' (a byte-level BPE "
     'trained on the training documents), a tokenizer.json, or the directory of a model or a zoo '
-    'run that has one. chat and preference: the model\'s directory (tokenizer.json and its chat '
+    'run that has one. chat, preference and prompts: the model\'s directory (tokenizer.json and its chat '
     'template), its zoo workdir, or its tokenizer.json.')
 _CHAT_TEMPLATE = flags.DEFINE_string(
     'chat_template', '', 'chat: a Jinja chat template file, instead of the one beside the '
@@ -68,8 +71,9 @@ flags.mark_flags_as_required(['output'])
 
 def main(argv: list[str]) -> None:
   if len(argv) != 2:
-    raise ZooError(f'give one kind, text or images (or chat, preference): python -m zoo.prepare '
-                   f'text|chat|preference|images --input=... --output=... (got {argv[1:]})')
+    raise ZooError(f'give one kind, text or images (or chat, preference, prompts): python -m '
+                   'zoo.prepare text|chat|preference|prompts|images --input=... --output=... '
+                   f'(got {argv[1:]})')
   try:
     writer.run(argv[1], writer.Options(
         inputs=tuple(_INPUT.value), output=_OUTPUT.value, exclude=tuple(_EXCLUDE.value),

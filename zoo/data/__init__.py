@@ -6,7 +6,7 @@ zoo.data.feed turns their rows into global arrays on the devices.
 """
 import ml_collections
 
-from zoo.data import digits, npz, preference, records, seq, text, tokens
+from zoo.data import digits, npz, preference, prompts, records, seq, text, tokens
 from zoo.data.dataset import DataSource, Dataset
 
 DATASETS: dict[str, DataSource] = {
@@ -17,6 +17,7 @@ DATASETS: dict[str, DataSource] = {
     'tokens': tokens.SOURCE,
     'records': records.SOURCE,
     'preference': preference.SOURCE,
+    'prompts': prompts.SOURCE,
 }
 
 

@@ -66,6 +66,9 @@ class Dataset:
   stop_ids: tuple = ()
   # Figures of a reference model that the batches carry (preference pairs); None: none.
   reference: Optional[Reference] = None
+  # Prompts for reinforcement learning: split -> each prompt's other fields (dicts, by the
+  # batches' `index`), which the reward functions get by name.
+  records: Optional[dict] = None
 
 
 def _no_check(data_config: ml_collections.ConfigDict) -> None:

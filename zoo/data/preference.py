@@ -1,7 +1,8 @@
 """Preference pairs for DPO: a prompt and two completions of it, the chosen and the rejected.
 
 Input (what `python -m zoo.prepare preference` reads): JSON Lines in TRL's two formats,
-- standard: `{"prompt": "...", "chosen": "...", "rejected": "..."}`, the completions each
+- standard: `{"prompt": "...", "chosen": "...", "rejected": "..."}`, the prompt started as
+  the model's documents were in training (tokenizer.document_start), the completions each
   followed by the tokenizer's end-of-sequence token (so the model learns to stop);
 - conversational: `{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`,
   the prompt rendered with the model's chat template and its generation prompt, each
@@ -75,7 +76,7 @@ def prepare(files: list[str], directory: str, tokenizer_spec: str, *, val_fracti
   path = tokenizer_lib.resolve(tokenizer_spec)
   tokenizer = tokenizer_lib.load(path, '--tokenizer', 'give the model\'s directory, its zoo '
                                  'workdir or its tokenizer.json')
-  eos = tokenizer_lib.eos_id(tokenizer)
+  eos, start_ids = tokenizer_lib.eos_id(tokenizer), tokenizer_lib.document_start(tokenizer)
   renderer = None
   out = {s: {'ids': [], 'pairs': []} for s in SPLITS}
   offsets = {s: 0 for s in SPLITS}
@@ -93,7 +94,8 @@ def prepare(files: list[str], directory: str, tokenizer_spec: str, *, val_fracti
         prompt, completions = _chat_pair(record, where, renderer)
       else:
         prompt, completions = _text_pair(record, where, [eos] if eos >= 0 else [])
-      prompt_ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+      start = [] if isinstance(record['chosen'], list) else start_ids  # Templates write theirs.
+      prompt_ids = start + tokenizer.encode(prompt, add_special_tokens=False).ids
       split = 'val' if tokens.in_validation(index, val_fraction, seed) else 'train'
       index += 1
       entry = []

@@ -9,11 +9,13 @@ A prompt is `sort 3 1 4 1 5 9:` (3 to 6 digits); the answer is the digits sorted
   preference): the chosen is the answer; the rejected a near miss, the answer with two
   neighbouring digits swapped or one digit changed, so that a model must read the digits
   to tell them apart;
-- `prompts.jsonl`: {"prompt", "answer"} held-out prompts and their answers.
+- `prompts.jsonl`: {"prompt", "answer"} prompts and their answers, for reinforcement
+  learning (zoo.prepare prompts; the rewards `exact` and `digits` below read "answer").
 The three use disjoint prompts (each multiset of digits in one file only).
 """
 import json
 import os
+import zlib
 
 import numpy as np
 
@@ -59,3 +61,30 @@ def write(directory: str, sft: int = 4000, pairs: int = 2000, prompts: int = 500
   for name, records in files.items():
     with open(os.path.join(directory, name), 'w', encoding='utf-8') as f:
       f.writelines(json.dumps(r) + '\n' for r in records)
+
+
+# Rewards (zoo.data.rewards): `grpo.rewards = ('zoo.data.sorting:exact',)`.
+def exact(completions, answer, **unused) -> list[float]:
+  """1 if the completion is the sorted digits (spaces around them aside), else 0."""
+  del unused
+  return [float(c.split() == a.split()) for c, a in zip(completions, answer)]
+
+
+def digits(completions, answer, **unused) -> list[float]:
+  """The fraction of the answer's digits in place (partial credit; 0 for a wrong count)."""
+  del unused
+  out = []
+  for c, a in zip(completions, answer):
+    got, want = c.split(), a.split()
+    out.append(sum(g == w for g, w in zip(got, want)) / len(want) if len(got) == len(want) else 0.0)
+  return out
+
+
+def shuffled_exact(prompts, completions, answer, **unused) -> list[float]:
+  """`exact`'s rewards shuffled among the batch's completions (the same on every process:
+  seeded by the prompts): rewards unrelated to what each completion is, GRPO's control that
+  must not improve."""
+  del unused
+  values = exact(completions, answer)
+  order = np.random.default_rng(zlib.crc32('\n'.join(prompts).encode())).permutation(len(values))
+  return [values[i] for i in order]

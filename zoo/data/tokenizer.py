@@ -21,6 +21,7 @@ from zoo.errors import ConfigError
 from zoo.store import storage
 
 EOS = '<|endoftext|>'
+BOS = ('<|begin_of_text|>', '<s>', '<bos>', '<|startoftext|>')  # Known beginnings, Llama's first.
 KINDS = ('bytes', 'bpe')  # Or a path to a tokenizer.json.
 
 
@@ -111,6 +112,18 @@ def eos_id(tokenizer: tokenizers.Tokenizer) -> int:
     if (i := tokenizer.token_to_id(name)) is not None:
       return i
   return -1
+
+
+def document_start(tokenizer: tokenizers.Tokenizer) -> list[int]:
+  """What a text prompt starts with, as a document did in training: the tokenizer's
+  beginning-of-sequence token if it has a known one, else its end-of-document token (the
+  token before each packed document in zoo's token datasets; lm-evaluation-harness and
+  zoo.data.choice start a context with it too), else nothing."""
+  for name in BOS:
+    if (i := tokenizer.token_to_id(name)) is not None:
+      return [i]
+  eos = eos_id(tokenizer)
+  return [eos] if eos >= 0 else []
 
 
 def _is_byte_level(tokenizer: tokenizers.Tokenizer) -> bool:

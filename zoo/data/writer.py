@@ -15,7 +15,7 @@ import shutil
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from absl import logging
 
@@ -45,9 +45,9 @@ class Options:
   chat_template: str = ''
 
 
-KINDS = ('text', 'chat', 'preference', 'images')
+KINDS = ('text', 'chat', 'preference', 'prompts', 'images')
 # Token datasets: a validation split, bucket outputs.
-TOKEN_KINDS = ('text', 'chat', 'preference')
+TOKEN_KINDS = ('text', 'chat', 'preference', 'prompts')
 
 
 def progress_bar(total: int, description: str, unit: str = 'B'):
@@ -150,23 +150,34 @@ def chat_writer(o: Options) -> Callable[[str], str]:
   return lambda partial: _val_rounded_up(attempt, partial, o, 'conversation')
 
 
-def preference_writer(o: Options) -> Callable[[str], str]:
+def _records_writer(o: Options, module: Any, what: str, example: str) -> Callable[[str], str]:
   """Checks the inputs and the model's tokenizer; returns partial -> summary, which writes
-  the pairs (zoo.data.preference)."""
-  from zoo.data import documents, preference  # pylint: disable=import-outside-toplevel
+  the JSON Lines records with `module.prepare` (preference pairs, prompts)."""
+  from zoo.data import documents  # pylint: disable=import-outside-toplevel
   files = documents.expand(o.inputs, o.exclude)
   if not all(f.endswith('.jsonl') for f in files):
-    raise ConfigError('--input: preference pairs are JSON Lines files (.jsonl), one {"prompt": '
-                      '..., "chosen": ..., "rejected": ...} per line; got ' + ', '.join(files[:3]))
+    raise ConfigError(f'--input: {what} are JSON Lines files (.jsonl), one {example} per line; '
+                      'got ' + ', '.join(files[:3]))
   if o.tokenizer in ('bytes', 'bpe'):
-    raise ConfigError(f'--tokenizer: pairs are tokenized by the model\'s own tokenizer: give its '
-                      f'directory, its zoo workdir or its tokenizer.json, not {o.tokenizer!r}')
+    raise ConfigError(f'--tokenizer: {what} are tokenized by the model\'s own tokenizer: give '
+                      f'its directory, its zoo workdir or its tokenizer.json, not {o.tokenizer!r}')
 
   def write(partial):
-    meta = preference.prepare(files, partial, o.tokenizer, val_fraction=o.val_fraction,
-                              seed=o.seed, chat_template=o.chat_template)
-    return f'vocabulary {meta["vocab_size"]:,}\n' + preference.describe(meta)
+    meta = module.prepare(files, partial, o.tokenizer, val_fraction=o.val_fraction, seed=o.seed,
+                          chat_template=o.chat_template)
+    return f'vocabulary {meta["vocab_size"]:,}\n' + module.describe(meta)
   return write
+
+
+def preference_writer(o: Options) -> Callable[[str], str]:
+  from zoo.data import preference  # pylint: disable=import-outside-toplevel
+  return _records_writer(o, preference, 'preference pairs',
+                         '{"prompt": ..., "chosen": ..., "rejected": ...}')
+
+
+def prompts_writer(o: Options) -> Callable[[str], str]:
+  from zoo.data import prompts  # pylint: disable=import-outside-toplevel
+  return _records_writer(o, prompts, 'prompts', '{"prompt": ..., <fields for the rewards>}')
 
 
 def images_writer(o: Options) -> Callable[[str], str]:
@@ -192,7 +203,7 @@ def run(kind: str, o: Options) -> None:
   input or a failed write, after which nothing is left at o.output."""
   if kind not in KINDS:
     raise ConfigError(f'unknown kind {kind!r}; give one of: {", ".join(KINDS)} '
-                      '(python -m zoo.prepare text|chat|preference|images --input=... '
+                      '(python -m zoo.prepare text|chat|preference|prompts|images --input=... '
                       '--output=...)')
   tokens = kind in TOKEN_KINDS
   if not 0 <= o.val_fraction < 1 or (tokens and not o.val_fraction):
@@ -205,7 +216,7 @@ def run(kind: str, o: Options) -> None:
     return
   path = atomic.check_output(o.output, o.overwrite)
   write = {'text': text_writer, 'chat': chat_writer, 'preference': preference_writer,
-           'images': images_writer}[kind](o)
+           'prompts': prompts_writer, 'images': images_writer}[kind](o)
   partial = f'{path}.partial-{os.getpid()}'
   created = [d for d in atomic.ancestors(partial) if not os.path.exists(d)]
   os.makedirs(partial)
@@ -243,7 +254,8 @@ def _run_to_bucket(kind: str, o: Options, t0: float) -> None:
     if not atomic.is_dataset(url):
       raise ConfigError(f'--output: {url} is not a dataset that zoo.prepare wrote (no zoo '
                         'metadata.json), so --overwrite will not replace it; pick another --output')
-  write = {'text': text_writer, 'chat': chat_writer, 'preference': preference_writer}[kind](o)
+  write = {'text': text_writer, 'chat': chat_writer, 'preference': preference_writer,
+           'prompts': prompts_writer}[kind](o)
   with tempfile.TemporaryDirectory(prefix='zoo-prepare-') as local:  # $TMPDIR: room for it.
     summary = write(local)
     try:

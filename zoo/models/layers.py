@@ -105,13 +105,15 @@ def loss_chunks(chunks: int, length: int, vocab: int) -> int:
 
 def token_losses(module: nn.Module, x_BLD: jax.Array, targets_BL: jax.Array, vocab_size: int,
                  dtype: Any, embed_VD: Optional[jax.Array] = None, softcap: float = 0.0,
-                 chunks: int = 0) -> dict:
-  """Each target's cross-entropy [B, L] (float32) and whether it is the likeliest token
-  [B, L], from the final hidden states, without a [B, L, V] logits array: the sequence is
-  cut into `loss_chunks(chunks, L, V)` chunks, whose logits (vocab_logits's, soft cap and
-  padding ids included) are computed in turn under lax.map and, in the backward pass,
-  recomputed from the chunk's hidden states (jax.checkpoint): one chunk's logits are live
-  at a time."""
+                 chunks: int = 0, temperature: float = 1.0, entropy: bool = False) -> dict:
+  """Each target's cross-entropy [B, L] (float32), whether it is the likeliest token
+  [B, L] and, with `entropy`, the entropy of the distribution it is drawn from [B, L]
+  (logged, not differentiated), from the final hidden
+  states, without a [B, L, V] logits array: the sequence is cut into `loss_chunks(chunks,
+  L, V)` chunks, whose logits (vocab_logits's, soft cap and padding ids included) are
+  computed in turn under lax.map and, in the backward pass, recomputed from the chunk's
+  hidden states (jax.checkpoint): one chunk's logits are live at a time. `temperature`
+  divides the logits first (what a policy sampled at that temperature is scored with)."""
   batch, length, d_model = x_BLD.shape
   head_DV = _head(module, d_model, vocab_size, dtype, embed_VD)
   n = loss_chunks(chunks, length, head_DV.shape[1])
@@ -121,21 +123,24 @@ def token_losses(module: nn.Module, x_BLD: jax.Array, targets_BL: jax.Array, voc
   def chunk(head32_DV, xs):
     x_BCD, t_BC = xs
     logits_BCV = _logits(x_BCD, head32_DV.astype(dtype), vocab_size, softcap)
+    if temperature != 1.0:
+      logits_BCV = logits_BCV / temperature
     losses_BC = optax.softmax_cross_entropy_with_integer_labels(logits_BCV, t_BC)
-    return losses_BC, jnp.argmax(logits_BCV, axis=-1) == t_BC
+    out = {'loss': losses_BC, 'correct': jnp.argmax(logits_BCV, axis=-1) == t_BC}
+    if entropy:
+      logp_BCV = jax.nn.log_softmax(jax.lax.stop_gradient(logits_BCV), axis=-1)
+      out['entropy'] = -jnp.sum(jnp.exp(logp_BCV) * logp_BCV, axis=-1)
+    return out
   if n == 1:  # The whole sequence's logits at once, kept for the backward pass.
-    losses_BL, correct_BL = chunk(head_DV, (x_BLD, targets_BL))
-    return {'loss': losses_BL, 'correct': correct_BL}
+    return chunk(head_DV, (x_BLD, targets_BL))
   chunk = jax.checkpoint(chunk)
 
   def split(y):  # [B, L, ...] -> [n, B, L/n, ...]
     return jnp.moveaxis(y.reshape((batch, n, length // n) + y.shape[2:]), 1, 0)
   # The head's gradient sums over chunks in float32 (it is closed over in float32).
   head32_DV = head_DV.astype(jnp.float32)
-  losses_nBC, correct_nBC = jax.lax.map(lambda xs: chunk(head32_DV, xs),
-                                        (split(x_BLD), split(targets_BL)))
-  join = lambda y: jnp.moveaxis(y, 0, 1).reshape(batch, length)
-  return {'loss': join(losses_nBC), 'correct': join(correct_nBC)}
+  chunked = jax.lax.map(lambda xs: chunk(head32_DV, xs), (split(x_BLD), split(targets_BL)))
+  return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(batch, length), chunked)
 
 
 NORMS = ('layer', 'rms', 'rms_offset')

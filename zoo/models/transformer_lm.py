@@ -61,12 +61,14 @@ class TransformerLM(transformer.Transformer, kw_only=True):
                positions_BL: Optional[jax.Array] = None,
                start_B: Optional[jax.Array] = None,
                segments_BL: Optional[jax.Array] = None,
-               targets_BL: Optional[jax.Array] = None) -> Union[jax.Array, dict]:
+               targets_BL: Optional[jax.Array] = None,
+               temperature: float = 1.0, entropy: bool = False) -> Union[jax.Array, dict]:
     """Packed documents (zoo.data.packing) give each token's `segments_BL` and its position
     in its document (`positions_BL`). With `decode=True`, `positions_BL` are the tokens'
     positions and `start_B` each row's first cache position (left padding before it); see
-    zoo.models.decode. With `targets_BL`, no logits: each target's loss and whether it is
-    the likeliest token, computed `loss_chunks` at a time (layers.token_losses), and with
+    zoo.models.decode. With `targets_BL`, no logits: each target's loss, whether it is the
+    likeliest token and (`entropy`) the entropy it is drawn from, at `temperature`, computed
+    `loss_chunks` at a time (layers.token_losses), and with
     routed experts their weighted router losses ('aux_loss') and figures ('aux_metrics')."""
     embed_VD = layers.embedding_table(self, self.vocab_size, self.d_model, self.dtype)
     x_BLD = transformer.embed_tokens(self, embed_VD, tokens_BL)
@@ -85,7 +87,7 @@ class TransformerLM(transformer.Transformer, kw_only=True):
     tied = embed_VD if self.tie_embeddings else None
     if targets_BL is not None:
       out = layers.token_losses(self, x_BLD, targets_BL, self.vocab_size, self.dtype, tied,
-                                self.final_softcap, self.loss_chunks)
+                                self.final_softcap, self.loss_chunks, temperature, entropy)
       if stats:
         out['aux_loss'], out['aux_metrics'] = router_losses(self, stats)
       return out

@@ -96,6 +96,23 @@ def base_config() -> ml_collections.ConfigDict:
   c.dpo.beta = 0.1                        # How far from the reference: larger, closer.
   c.dpo.loss = 'sigmoid'                  # sigmoid (DPO; cDPO with label_smoothing) or ipo.
   c.dpo.label_smoothing = 0.0             # sigmoid: the chance a pair's label is flipped.
+  c.grpo = ml_collections.ConfigDict()    # Prompts: zoo.run.rollouts, tasks.PolicyGradient.
+  c.grpo.rewards = ()                     # ('module:function', ...): zoo.data.rewards.
+  c.grpo.reward_weights = ()              # One per reward; (): all 1.
+  c.grpo.num_generations = 8              # Completions per prompt (train.batch_size counts them).
+  c.grpo.max_completion_tokens = 32       # Each completion's budget (its stop token included).
+  c.grpo.temperature = 1.0                # Sampling, and the log-probabilities trained on.
+  c.grpo.top_k = 0                        # 0: off.
+  c.grpo.top_p = 1.0                      # 1: off.
+  c.grpo.scale_rewards = 'group'          # Advantages over the group's std, 'batch''s, 'none'.
+  c.grpo.loss = 'dapo'                    # dapo (= bnpo here), grpo or dr_grpo aggregation.
+  c.grpo.epsilon = 0.2                    # The ratio's clip below 1 ...
+  c.grpo.epsilon_high = 0.0               # ... and above (0: epsilon; DAPO's clip-higher: 0.28).
+  c.grpo.beta = 0.0                       # k3 KL to the reference; 0: none held.
+  c.grpo.kl_correction = True             # The KL term times the ratio: its gradient unbiased.
+  c.grpo.num_iterations = 1               # Updates per rollout (> 1: old log-probs kept).
+  c.grpo.importance = 'token'             # 'sequence': GSPO's sequence-level ratio.
+  c.grpo.mask_truncated = False           # Completions that hit the budget train on nothing.
   return c
 
 
@@ -246,6 +263,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   source.check_config(config.data)
   _validate_run(config)
   _validate_dpo(config.dpo)
+  _validate_grpo(config)
   for field in ('train.steps', 'train.batch_size', 'train.log_every_steps',
                 'eval.every_steps', 'eval.batch_size', 'checkpoint.every_steps', 'checkpoint.keep',
                 'checkpoint.lease_seconds'):
@@ -326,6 +344,41 @@ def _validate_dpo(dpo):
          f'got {dpo.label_smoothing}')
 
 
+def _validate_grpo(config):
+  """The GRPO section's values (always), and what a run on prompts needs of the rest."""
+  g = config.grpo
+  checks = (
+      ('num_generations', g.num_generations >= 2, 'an integer >= 2 (a group needs two to compare)'),
+      ('max_completion_tokens', g.max_completion_tokens >= 1, 'a positive integer'),
+      ('temperature', 0 < g.temperature < float('inf'), 'a finite number > 0'),
+      ('top_k', g.top_k >= 0, '>= 0 (0: off)'),
+      ('top_p', 0 < g.top_p <= 1, 'in (0, 1] (1: off)'),
+      ('epsilon', 0 < g.epsilon < 1, 'in (0, 1)'),
+      ('epsilon_high', 0 <= g.epsilon_high < float('inf'), 'a finite number >= 0 (0: epsilon)'),
+      ('beta', 0 <= g.beta < float('inf'), 'a finite number >= 0 (0: no reference)'),
+      ('num_iterations', g.num_iterations >= 1, 'a positive integer'),
+  )
+  for key, ok, want in checks:
+    if not ok:
+      fail(f'grpo.{key}', f'must be {want}, got {g[key]}')
+  for key, known in (('scale_rewards', tasks.REWARD_SCALES), ('loss', tasks.GRPO_LOSSES),
+                     ('importance', tasks.IMPORTANCE_LEVELS)):
+    if g[key] not in known:
+      fail(f'grpo.{key}', f'unknown value {g[key]!r}; known: {", ".join(known)}')
+  if config.data.name != 'prompts':
+    return
+  from zoo.data import rewards  # pylint: disable=import-outside-toplevel
+  rewards.load(tuple(g.rewards), tuple(g.reward_weights))
+  if config.train.batch_size % g.num_generations:
+    fail('train.batch_size', f'{config.train.batch_size} completions do not split into groups of '
+         f'grpo.num_generations={g.num_generations}; use a multiple of it')
+  for field in ('train.steps', 'checkpoint.every_steps', 'eval.every_steps'):
+    group, key = field.split('.')
+    if config[group][key] % g.num_iterations:
+      fail(field, f'{config[group][key]} is not a multiple of grpo.num_iterations='
+           f'{g.num_iterations} (a run saves and evaluates between rollouts only)')
+
+
 def _validate_batch_sizes(config, num_devices):
   """Global batches divide over the batch shards, and so do microbatches."""
   shape = mesh_lib.resolve_mesh_shape(config.mesh.shape, num_devices)
@@ -375,8 +428,15 @@ def validate_with_data(config: ml_collections.ConfigDict, dataset: Dataset,
   if not plan and config.train.batch_size > dataset.num_train:
     fail('train.batch_size', f'{config.train.batch_size} exceeds the {dataset.num_train} '
          f'training examples of {config.data.name!r}')
+  task = tasks.make(dataset.task, config)
   example = dataset.train_batch(0, 1, slice(0, 1))
-  family.check_inputs(config.model, tasks.make(dataset.task, config).model_inputs(example))
+  if task.name == 'grpo' and 'max_len' in config.model:
+    prompt = example['prompt'].shape[1]
+    if prompt + config.grpo.max_completion_tokens > config.model.max_len:
+      fail('grpo.max_completion_tokens', f'{config.grpo.max_completion_tokens} tokens after prompts '
+           f'of {prompt} (data.seq_len, or the longest prompt) pass model.max_len='
+           f'{config.model.max_len}; lower it or data.seq_len')
+  family.check_inputs(config.model, task.model_inputs(task.train_example(example)))
   if config.eval.get('choice_tasks') and dataset.encode is None:
     fail('eval.choice_tasks', f'multiple-choice tasks score text, but {config.data.name!r} data '
          'has no tokenizer; train a language model on text or tokens')

@@ -69,6 +69,7 @@ class Setup:
     """A global eval batch's shapes and sharding (ShapeDtypeStructs), from one row."""
     size = self.config.eval.batch_size
     example = next(iter(self.dataset.eval_batches(size, slice(0, 1))))
+    example = {**self.task.train_example(example), 'weights': example['weights']}
     return {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=self.batch_sharding)
             for k, v in example.items()}
 
@@ -129,7 +130,7 @@ def build(config: ml_collections.ConfigDict, dataset: Dataset,
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(sharding.batch_mesh_axes(rules) or None))
   size = config.train.batch_size
-  example = dataset.train_batch(0, 1, slice(0, 1))  # One example: the shapes.
+  example = task.train_example(dataset.train_batch(0, 1, slice(0, 1)))  # One row: the shapes.
   batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
            for k, v in example.items()}
   # Zeros on the host: the state's shapes need no device work.

@@ -66,19 +66,21 @@ def state_initializer(model: nn.Module, optimizer: optax.GradientTransformation,
 
 
 def loss(params: Any, state: TrainState, batch: dict, rng: jax.Array, task: Task,
-         total: jax.Array) -> tuple[jax.Array, tuple]:
+         total: jax.Array, figure_total: Optional[jax.Array] = None) -> tuple[jax.Array, tuple]:
   """The batch's loss (the task's, summed over the targets that count) over `total`, the
   targets that count in the whole global batch (every microbatch), plus the model's own
   weighted losses (a dict output's 'aux_loss': routed experts' router losses) at the
   batch's share of `total`. Also returns the model state the forward pass updated, and
-  {'loss': the task's loss alone, the task's figures over `total`, the model's
+  {'loss': the task's loss alone, the task's figures over `figure_total` (default
+  `total`), the model's
   'aux_metrics'...} at that share (summed over microbatches, each is the batch's)."""
   out, model_state = state.apply_fn(
       {'params': params, **state.model_state}, *task.model_inputs(batch),
       **task.model_keywords(batch), train=True, rngs={'dropout': rng},
       mutable=list(state.model_state))
   value = task.loss_sum(out, batch) / total
-  figures = {'loss': value, **{k: v / total for k, v in task.figures(out, batch).items()}}
+  per = total if figure_total is None else figure_total
+  figures = {'loss': value, **{k: v / per for k, v in task.figures(out, batch).items()}}
   if isinstance(out, dict) and 'aux_loss' in out:
     share = task.counted(batch) / total
     figures.update({k: v * share for k, v in out['aux_metrics'].items()})
@@ -124,7 +126,8 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
   """
   rng = dropout_key(seed, state.step)
   total = task.counted(batch)
-  objective = functools.partial(loss, task=task, total=total)
+  objective = functools.partial(loss, task=task, total=total,
+                                figure_total=task.figure_total(batch))
   trained, frozen = split(state.params, trainable) if trainable else (state.params, None)
   if trainable:
     objective = lambda p, *args, f=objective: f(merge(p, frozen), *args)

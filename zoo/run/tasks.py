@@ -74,9 +74,20 @@ class Task:
     return jnp.maximum(self.target_weights(batch).sum(), 1.0)
 
   def figures(self, out: Any, batch: dict) -> dict:
-    """Sums over a train batch logged beside the loss, each over `counted` in the step."""
+    """Sums over a train batch logged beside the loss, each over `figure_total`."""
     del out, batch
     return {}
+
+  def figure_total(self, batch: dict) -> jax.Array:
+    """What the figures' sums are divided by over the global batch: `counted`."""
+    return self.counted(batch)
+
+  def train_example(self, example: dict) -> dict:
+    """A train batch's row from the dataset's (a task that makes its own batches from the
+    data, as GRPO's rollouts do from prompts, says their shapes)."""
+    return example
+
+  period = 1  # Steps between the points where a run may save (GRPO: num_iterations).
 
   def eval_sums(self, out: Any, batch: dict) -> dict:
     """Sums over an eval batch of loss, correct predictions and weight (per target for
@@ -281,9 +292,122 @@ class Preference(LanguageModel):
     return None
 
 
-TASKS: dict[str, Task] = {t.name: t for t in (Task(), LanguageModel(), Seq2Seq(), Preference())}
+GRPO_LOSSES = ('dapo', 'bnpo', 'grpo', 'dr_grpo')
+REWARD_SCALES = ('group', 'batch', 'none')
+IMPORTANCE_LEVELS = ('token', 'sequence')
+
+
+class PolicyGradient(LanguageModel):
+  """Group relative policy optimisation (GRPO, Shao et al., arXiv:2402.03300) on the
+  completions a run samples itself (zoo.run.rollouts), as TRL 1.16 computes it.
+
+  A batch holds completions after their prompts: `inputs`, `targets`, `segments`,
+  `positions` [R, L] (left padding as segment 0), `mask` [R, L] (1 on the completion's
+  targets), `advantages` [R], and where they matter `old_logps` (the sampling policy's
+  log-probabilities, `num_iterations` > 1) and `ref_logps` (the reference's, `beta` > 0)
+  [R, L]. Each completion token's log-probability is the model's at the sampling
+  `temperature`; with r its ratio to the old one (exp of their difference; `importance`
+  'sequence': the completion's mean log-ratio, GSPO, arXiv:2507.18071) and A its
+  completion's advantage, the token's loss is -min(r A, clip(r, 1 - epsilon, 1 +
+  epsilon_high) A), plus beta times the k3 estimate of KL to the reference, exp(ref - logp)
+  - (ref - logp) - 1, times r with `kl_correction` (so that its gradient is the reverse
+  KL's, unbiased: DeepSeek-V3.2, TRL 1.16's default). `loss` aggregates the tokens: 'dapo' and 'bnpo' their mean over the
+  global batch (one figure in zoo: the step's batch is global, where TRL's bnpo is per
+  device and accumulation step), 'grpo' each completion's mean then their mean, 'dr_grpo'
+  their sum over completions x `max_completion_tokens` (Dr. GRPO, arXiv:2503.20783).
+  Figures (means over the completion tokens): kl, entropy, clip_ratio/low, /high, /region.
+  """
+  name = 'grpo'
+
+  def __init__(self, temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: float = 0.0,
+               beta: float = 0.0, loss: str = 'dapo', importance: str = 'token',
+               max_completion_tokens: int = 32, num_iterations: int = 1,
+               kl_correction: bool = True, **unused):
+    del unused  # The rollouts' settings (zoo.run.rollouts).
+    self.temperature, self.epsilon, self.epsilon_high = temperature, epsilon, epsilon_high or epsilon
+    self.beta, self.loss, self.importance = beta, loss, importance
+    self.max_completion_tokens, self.num_iterations = max_completion_tokens, num_iterations
+    self.kl_correction = kl_correction
+
+  @property
+  def period(self) -> int:
+    """Steps per rollout: checkpoints fall between rollouts only."""
+    return self.num_iterations
+
+  def model_keywords(self, batch: dict) -> dict:
+    return {**super().model_keywords(batch), 'temperature': self.temperature, 'entropy': True}
+
+  def train_example(self, example: dict) -> dict:
+    """A train batch's row from a prompt's (what the state and steps are built for)."""
+    length = example['prompt'].shape[1] + self.max_completion_tokens - 1
+    row = {k: np.zeros((1, length), np.int32) for k in
+           ('inputs', 'targets', 'segments', 'positions', 'mask')}
+    row['advantages'] = np.zeros((1,), np.float32)
+    for field, used in (('old_logps', self.num_iterations > 1), ('ref_logps', self.beta > 0)):
+      if used:
+        row[field] = np.zeros((1, length), np.float32)
+    return row
+
+  def per_token(self, out: Any, batch: dict) -> dict:
+    """Each token's loss and figures [R, L] (or [R, 1] per completion)."""
+    logp = -out['loss']
+    old = batch['old_logps'] if 'old_logps' in batch else jax.lax.stop_gradient(logp)
+    log_ratio = logp - old
+    mask = batch['mask'].astype(jnp.float32)
+    if self.importance == 'sequence':
+      log_ratio = ((log_ratio * mask).sum(-1) / jnp.maximum(mask.sum(-1), 1.0))[:, None]
+    ratio = jnp.exp(log_ratio)
+    clipped = jnp.clip(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
+    a = batch['advantages'].astype(jnp.float32)[:, None]
+    loss = -jnp.minimum(ratio * a, clipped * a)
+    low = (ratio < 1 - self.epsilon) & (a < 0)
+    high = (ratio > 1 + self.epsilon_high) & (a > 0)
+    figures = {'entropy': out['entropy'], 'clip_ratio/low': low, 'clip_ratio/high': high,
+               'clip_ratio/region': low | high}
+    if self.beta:
+      delta = batch['ref_logps'] - logp
+      figures['kl'] = jnp.exp(delta) - delta - 1
+      if self.kl_correction:  # Unbiased off the sampling policy, and on it (DeepSeek-V3.2).
+        figures['kl'] = figures['kl'] * ratio
+      loss = loss + self.beta * figures['kl']
+    return {'loss': loss, **figures}
+
+  def loss_sum(self, out: Any, batch: dict) -> jax.Array:
+    mask = batch['mask'].astype(jnp.float32)
+    per_token = self.per_token(out, batch)['loss'] * mask
+    if self.loss == 'grpo':
+      return (per_token.sum(-1) / jnp.maximum(mask.sum(-1), 1.0)).sum()
+    return per_token.sum()
+
+  def counted(self, batch: dict) -> jax.Array:
+    rows = batch['advantages'].shape[0]
+    if self.loss == 'grpo':
+      return jnp.asarray(rows, jnp.float32)
+    if self.loss == 'dr_grpo':
+      return jnp.asarray(rows * self.max_completion_tokens, jnp.float32)
+    return jnp.maximum(batch['mask'].sum(dtype=jnp.float32), 1.0)
+
+  def figures(self, out: Any, batch: dict) -> dict:
+    mask = batch['mask'].astype(jnp.float32)
+    return {k: jax.lax.stop_gradient(v.astype(jnp.float32) * mask).sum()
+            for k, v in self.per_token(out, batch).items() if k != 'loss'}
+
+  def figure_total(self, batch: dict) -> jax.Array:
+    """Figures are means over the completion tokens."""
+    return jnp.maximum(batch['mask'].sum(dtype=jnp.float32), 1.0)
+
+  def tokens(self, batch: dict) -> Optional[int]:
+    return math.prod(batch['targets'].shape)
+
+  def eval_sampler(self, model, dataset, mesh, seed, temperature):
+    del model, dataset, mesh, seed, temperature
+    return None
+
+
+TASKS: dict[str, Task] = {t.name: t for t in (Task(), LanguageModel(), Seq2Seq(), Preference(),
+                                              PolicyGradient())}
 # Post-training tasks -> the task of the models they train.
-MODEL_TASK = {'dpo': 'lm'}
+MODEL_TASK = {'dpo': 'lm', 'grpo': 'lm'}
 
 
 def model_task(name: str) -> str:
@@ -295,4 +419,6 @@ def make(name: str, config: Any) -> Task:
   """The task `name` with the run's settings (config.dpo for DPO)."""
   if name == 'dpo':
     return Preference(**dict(config.get('dpo', {})))
+  if name == 'grpo':
+    return PolicyGradient(**dict(config.get('grpo', {})))
   return TASKS[name]

@@ -14,7 +14,7 @@ from zoo.data import choice, feed
 from zoo.errors import NonFiniteError
 from zoo.parallel import sharding
 from zoo.run import config as cfg
-from zoo.run import memory, perf, profiling, reference, steps
+from zoo.run import memory, perf, profiling, reference, rollouts, steps
 from zoo.run import setup as setup_lib
 from zoo.store import checkpoint, metrics
 from zoo.store.workdir import Workdir
@@ -235,25 +235,36 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
     profile = profiling.Profile(config.profile.steps, workdir.path)
     cleanup.callback(profile.close)
     read_before = setup.dataset.examples_read() if setup.dataset.examples_read else 0
-    train_batches = feed.TrainBatches(setup.dataset, setup.batch_sharding,
-                                      config.train.batch_size, start)
-    cleanup.callback(train_batches.close)
-    batches = feed.Prefetch(train_batches, start, total, config.data.prefetch)
-    cleanup.callback(batches.close)
-    train_step, check_step, eval_step = (alone_at_first(f, batches.quiet)
+    source = rollouts.make(setup, state)  # GRPO: batches sampled from the policy itself.
+    if source is None:
+      train_batches = feed.TrainBatches(setup.dataset, setup.batch_sharding,
+                                        config.train.batch_size, start)
+      cleanup.callback(train_batches.close)
+      batches = feed.Prefetch(train_batches, start, total, config.data.prefetch)
+      cleanup.callback(batches.close)
+      quiet = batches.quiet
+    else:
+      quiet = contextlib.nullcontext
+    train_step, check_step, eval_step = (alone_at_first(f, quiet)
                                          for f in (train_step, check_step, eval_step))
-    choice_step = choice_step and alone_at_first(choice_step, batches.quiet)
+    choice_step = choice_step and alone_at_first(choice_step, quiet)
     in_flight = collections.deque()  # Losses of dispatched steps, oldest first.
+    period = setup.task.period  # Steps between the points where the run may save.
     for step in range(start, total):
       profile.before(step)
-      state, step_metrics = train_step(state, reporter.timed_wait(batches.get, step))
+      batch = (reporter.timed_wait(batches.get, step) if source is None else
+               source.batch(state, step))  # A rollout: logged as perf/rollout_s.
+      state, step_metrics = train_step(state, batch)
+      if source is not None:
+        step_metrics = {**step_metrics, **source.metrics}
       profile.after(step + 1, state)
       in_flight.append(step_metrics['train/loss'])
       if len(in_flight) > MAX_STEPS_AHEAD:
         in_flight.popleft().block_until_ready()
       reporter.flush()  # The previous log step's metrics, now that this step is dispatched.
       done = step + 1
-      preempted = stop(done) and done < total  # The last step saves and evals anyway.
+      # The last step saves and evals anyway; GRPO saves between rollouts only.
+      preempted = stop(done) and done < total and done % period == 0
       eval_due = is_due(done, config.eval.every_steps, total)
       save_due = is_due(done, config.checkpoint.every_steps, total) or preempted
       if eval_due or save_due:  # Raises on a non-finite state, so it is never saved.
@@ -268,7 +279,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
         logging.warning('stop requested (SIGTERM or preemption) at step %d: saved, exiting', done)
         break
       if eval_due:
-        reporter.evaluated(done, evaluate(eval_step, state, setup, choice_step), state.params)
+        result = (source.evaluate(state.params, done) if source is not None else
+                  evaluate(eval_step, state, setup, choice_step))
+        reporter.evaluated(done, result, state.params)
     if setup.dataset.examples_read:  # Datasets read from files: what this process read.
       logging.info('process %d read %d training examples for %d steps (and any prefetched)',
                    jax.process_index(), setup.dataset.examples_read() - read_before,

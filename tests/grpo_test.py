@@ -1,0 +1,343 @@
+"""GRPO (experiments/grpo_sort.py; zoo.run.rollouts, zoo.run.tasks.PolicyGradient,
+zoo.data.prompts, zoo.data.rewards) on a tiny random Qwen2 imported from transformers: the
+loss, its figures and the gradients equal TRL 1.16's own `GRPOTrainer._compute_loss` for
+every aggregation, on-policy and with old log-probabilities that make the clip bite, at a
+temperature other than 1 and with beta > 0, and the advantages its formula; the loss is
+the same on every mesh; a run learns where the reward says and not where it is shuffled;
+a stopped run resumes as if never stopped; bad rewards and budgets are one line."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import Trainer, experiment, read_metrics, stop_at
+from zoo.data import tokenizer as tokenizer_lib
+from zoo.data import writer
+from zoo.errors import ConfigError, ZooError
+from zoo.hf import layouts, transfer
+from zoo.run import config as cfg
+from zoo.run import rollouts, steps, train
+from zoo.store import checkpoint
+
+torch = pytest.importorskip('torch')
+transformers = pytest.importorskip('transformers')
+trl = pytest.importorskip('trl')
+
+QWEN = dict(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+            bos_token_id=256, eos_token_id=256, tie_word_embeddings=False)
+N = 6  # Completion tokens in the numerics tests.
+
+
+@pytest.fixture(scope='module')
+def qwen(tmp_path_factory):
+  """A tiny random Qwen2 imported into zoo, and sorting prompts prepared with its tokenizer."""
+  from zoo.data import sorting  # pylint: disable=import-outside-toplevel
+  root = tmp_path_factory.mktemp('grpo')
+  torch.manual_seed(0)
+  transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN)).save_pretrained(root / 'hf')
+  tokenizer_lib.bytes_tokenizer().save(str(root / 'hf' / 'tokenizer.json'))
+  transfer.import_model(str(root / 'hf'), str(root / 'imported'))
+  sorting.write(str(root / 'sort'), sft=10, pairs=10, prompts=120)
+  data = str(root / 'prompts')
+  writer.run('prompts', writer.Options(inputs=(str(root / 'sort' / 'prompts.jsonl'),),
+                                       output=data, val_fraction=0.2,
+                                       tokenizer=str(root / 'imported')))
+  return {'hf': str(root / 'hf'), 'workdir': str(root / 'imported'), 'data': data, 'root': root}
+
+
+def _config(qwen, variant=',smoke', **overrides):
+  c = cfg.load_experiment(experiment('grpo_sort'), qwen['workdir'] + variant)
+  c.data.path, c.mesh.shape = qwen['data'], (4, 2)
+  c.train.log_every_steps, c.checkpoint.async_save = 1, False
+  for key, value in overrides.items():
+    group, name = key.split('.')
+    c[group][name] = value
+  return c
+
+
+def _imported(trainer, qwen):
+  with trainer.scope():
+    params, _, _ = checkpoint.restore_params(qwen['workdir'],
+                                             trainer.setup.abstract_state().params)
+  return trainer.initial.replace(params=params)
+
+
+def _rollout(trainer, rows=8, seed=0):
+  """A batch of `rows` completions of N tokens (random, of random lengths) after the data's
+  prompts (left-padded, of different lengths), with random advantages."""
+  rng = np.random.default_rng(seed)
+  prompts = trainer.dataset.train_batch(0, rows, slice(0, rows))
+  lengths = rng.integers(2, N + 1, rows)
+  tokens = np.where(np.arange(N) < lengths[:, None], rng.integers(40, 60, (rows, N)), 0)
+  batch = rollouts.train_rows(prompts['prompt'], prompts['pad'], tokens, lengths)
+  batch['advantages'] = rng.normal(0, 1, rows).astype(np.float32)
+  return batch, prompts, tokens, lengths
+
+
+def _zoo(trainer, state, batch):
+  """(loss, figures, gradient by zoo path)."""
+  task = trainer.setup.task
+  def objective(params):
+    value, (_, figures) = steps.loss(params, state, batch, jax.random.key(0), task,
+                                     task.counted(batch), task.figure_total(batch))
+    return value, figures
+  with trainer.scope():
+    (value, figures), grads = jax.jit(jax.value_and_grad(objective, has_aux=True))(state.params)
+  flat = transfer._unscanned(transfer._flat(jax.device_get(grads)))  # pylint: disable=protected-access
+  return float(value), {k: float(v) for k, v in figures.items()}, flat
+
+
+def _logps(trainer, state, batch):
+  """zoo's log-probabilities of the batch's targets at the task's temperature."""
+  task = trainer.setup.task
+  with trainer.scope():
+    out = jax.jit(lambda p: state.apply_fn({'params': p}, *task.model_inputs(batch),
+                                           **task.model_keywords(batch)))(state.params)
+  return -np.asarray(out['loss']) * batch['mask']
+
+
+def _trl(qwen, grpo, prompts, tokens, lengths, batch):
+  """TRL's loss, figures and gradients (by Hugging Face name) for the same completions."""
+  from datasets import Dataset  # pylint: disable=import-outside-toplevel
+  tokenizer = transformers.PreTrainedTokenizerFast(
+      tokenizer_file=os.path.join(qwen['hf'], 'tokenizer.json'), eos_token='<|endoftext|>',
+      pad_token='<|endoftext|>')
+  def zero(completions, **unused):
+    del unused
+    return [0.0] * len(completions)
+  args = trl.GRPOConfig(
+      output_dir=str(qwen['root'] / 'trl'), bf16=False, report_to=[], use_cpu=True,
+      per_device_train_batch_size=len(lengths), num_generations=4, max_completion_length=N,
+      beta=grpo.beta, loss_type=grpo.loss, epsilon=grpo.epsilon,
+      epsilon_high=grpo.epsilon_high or grpo.epsilon, temperature=grpo.temperature,
+      importance_sampling_level=grpo.importance)
+  trainer = trl.GRPOTrainer(model=qwen['hf'], reward_funcs=[zero], args=args,
+                            train_dataset=Dataset.from_list([{'prompt': 'a'}] * 8),
+                            processing_class=tokenizer)
+  width = prompts['prompt'].shape[1]
+  completion = (np.arange(N) < lengths[:, None])
+  inputs = {'prompt_ids': torch.tensor(prompts['prompt'].astype(np.int64)),
+            'prompt_mask': torch.tensor((np.arange(width) >= prompts['pad'][:, None]).astype(
+                np.int64)),
+            'completion_ids': torch.tensor(tokens.astype(np.int64)),
+            'completion_mask': torch.tensor(completion.astype(np.int64)),
+            'advantages': torch.tensor(batch['advantages']),
+            'num_items_in_batch': torch.tensor(float(completion.sum()))}
+  for zoo_name, trl_name in (('old_logps', 'old_per_token_logps'),
+                             ('ref_logps', 'ref_per_token_logps')):
+    if zoo_name in batch:  # Target P - 1 + j is completion token j.
+      inputs[trl_name] = torch.tensor(batch[zoo_name][:, width - 1:])
+  trainer.model.train()
+  trainer.current_gradient_accumulation_steps = 1  # What its training loop sets: one step.
+  value = trainer._compute_loss(trainer.model, inputs)  # pylint: disable=protected-access
+  value.backward()
+  figures = {k: v[-1] for k, v in trainer._metrics['train'].items()}  # pylint: disable=protected-access
+  grads = {name: p.grad.numpy() for name, p in trainer.model.named_parameters()}
+  return float(value.detach()), figures, grads
+
+
+CASES = {  # name: (grpo overrides, old log-probs away from the policy's, reference offsets)
+    'dapo-on-policy': ({'loss': 'dapo'}, False, False),
+    'bnpo-clip-kl-temperature': ({'loss': 'bnpo', 'beta': 0.1, 'temperature': 0.7}, True, True),
+    'grpo-clip-higher-kl': ({'loss': 'grpo', 'beta': 0.05, 'epsilon_high': 0.28}, True, True),
+    'dr_grpo-clip': ({'loss': 'dr_grpo', 'temperature': 1.3}, True, False),
+    'gspo-sequence': ({'loss': 'dapo', 'importance': 'sequence', 'epsilon': 0.0003,
+                       'epsilon_high': 0.0004}, True, False),
+}
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_loss_figures_and_gradients_equal_trls(qwen, case, devices):
+  del devices
+  overrides, old, ref = CASES[case]
+  grpo = {'grpo.max_completion_tokens': N, 'mesh.shape': (8, 1), 'grpo.beta': 0.0,
+          'grpo.num_iterations': 2 if old else 1, 'checkpoint.every_steps': 2,
+          'eval.every_steps': 2, **{f'grpo.{k}': v for k, v in overrides.items()}}
+  trainer = Trainer(_config(qwen, **grpo))
+  state = _imported(trainer, qwen)
+  batch, prompts, tokens, lengths = _rollout(trainer)
+  rng = np.random.default_rng(1)
+  logps = _logps(trainer, state, batch)
+  if old:  # Ratios of exp(+-0.5): the clip bites on both sides.
+    batch['old_logps'] = (logps + rng.uniform(-0.5, 0.5, logps.shape) * batch['mask']
+                          ).astype(np.float32)
+  if ref:
+    batch['ref_logps'] = (logps + rng.normal(0, 0.5, logps.shape) * batch['mask']
+                          ).astype(np.float32)
+  value, figures, grads = _zoo(trainer, state, batch)
+  want_value, want_figures, want_grads = _trl(qwen, trainer.config.grpo, prompts, tokens,
+                                              lengths, batch)
+  assert value == pytest.approx(want_value, abs=1e-5), (value, want_value)
+  assert figures['entropy'] == pytest.approx(want_figures['entropy'], rel=1e-5)
+  if ref:
+    assert figures['kl'] == pytest.approx(want_figures['kl'], rel=1e-5)
+  if trainer.config.grpo.importance == 'token':
+    for name in ('low', 'high', 'region'):
+      assert figures[f'clip_ratio/{name}'] == pytest.approx(
+          want_figures[f'clip_ratio/{name}_mean'], abs=1e-6), name
+    if old:
+      assert 0 < figures['clip_ratio/low'] and 0 < figures['clip_ratio/high']
+  hf_config = json.loads((qwen['root'] / 'hf' / 'config.json').read_text())
+  _, arch = layouts.architecture(hf_config)
+  for tensor in arch.tensors(arch.from_hf(hf_config)):
+    got, want = tensor.to_hf(*[grads[p] for p in tensor.zoo]), want_grads[tensor.name]
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0,
+                               err_msg=tensor.name)
+
+
+def test_advantages_are_trls(monkeypatch):
+  """zoo's advantages (numpy) against TRL's formula on its own nanstd, for every scaling,
+  with an unscorable completion (NaN) and a group of equal rewards."""
+  from trl.trainer.utils import nanstd  # pylint: disable=import-outside-toplevel
+  del monkeypatch
+  rewards = np.array([1.0, 0.0, 0.5, np.nan, 2.0, 2.0, 2.0, 2.0, 0.3, 0.1, 0.9, 0.4])
+  t = torch.tensor(rewards)
+  mean = torch.nanmean(t.view(-1, 4), dim=1).repeat_interleave(4)
+  for scale in ('group', 'batch', 'none'):
+    std = (nanstd(t.view(-1, 4), dim=1).repeat_interleave(4) if scale != 'batch' else
+           nanstd(t).expand_as(t))
+    want = t - mean
+    if scale != 'none':
+      want = want / (std + 1e-4)
+    want = torch.nan_to_num(want, nan=0.0).numpy()
+    np.testing.assert_allclose(rollouts.advantages(rewards, 4, scale), want, rtol=1e-6,
+                               atol=1e-7, err_msg=scale)
+
+
+def test_the_loss_and_figures_are_the_same_on_every_mesh(qwen, devices):
+  rows = []
+  for shape, chips in (((1, 1), devices[:1]), ((8, 1), None), ((4, 2), None), ((2, 4), None)):
+    trainer = Trainer(_config(qwen, **{'mesh.shape': shape, 'grpo.beta': 0.1,
+                                       'grpo.max_completion_tokens': N}), devices=chips)
+    state = _imported(trainer, qwen)
+    batch, *_ = _rollout(trainer, rows=16)
+    logps = _logps(trainer, state, batch)
+    batch['ref_logps'] = (logps + 0.1 * batch['mask']).astype(np.float32)
+    with trainer.scope():
+      _, metrics = trainer.train_step(state, batch)
+    rows.append({k: float(v) for k, v in metrics.items()})
+  for row in rows[1:]:
+    assert row == pytest.approx(rows[0], rel=1e-5, abs=1e-6)
+
+
+# Rewards for the runs below, named 'grpo_test:<function>' in their configs.
+def low_ids(completion_ids, **unused):
+  """The fraction of a completion's tokens below 128 (a random model's: about half)."""
+  del unused
+  return [float(np.mean(np.asarray(ids) < 128)) if len(ids) else 0.0 for ids in completion_ids]
+
+
+def shuffled_low_ids(prompts, completion_ids, **unused):
+  """low_ids shuffled among the batch's completions: unrelated to each completion."""
+  del unused
+  values = low_ids(completion_ids)
+  order = np.random.default_rng(len(prompts) + sum(map(len, completion_ids))).permutation(
+      len(values))
+  return [values[i] for i in order]
+
+
+def raises(completions, **unused):
+  del unused
+  if any('7' in c for c in completions):
+    raise RuntimeError('no sevens')
+  return [0.0] * len(completions)
+
+
+def nan(completions, **unused):
+  del unused
+  return [float('nan')] + [0.0] * (len(completions) - 1)
+
+
+def short(completions, **unused):
+  del unused
+  return [0.0] * (len(completions) - 1)
+
+
+def _run_config(qwen, reward, **overrides):
+  return _config(qwen, **{'grpo.rewards': (f'grpo_test:{reward}',), 'grpo.reward_weights': (),
+                          'grpo.beta': 0.05,
+                          'grpo.max_completion_tokens': N, 'train.steps': 12,
+                          'optimizer.learning_rate': 3e-2, 'optimizer.warmup_steps': 0,
+                          'eval.every_steps': 12, 'checkpoint.every_steps': 4, **overrides})
+
+
+@pytest.fixture(scope='module')
+def learned(qwen, tmp_path_factory):
+  """12 steps on low_ids, straight through on mesh (4, 2), with a KL term (beta 0.05)."""
+  workdir = str(tmp_path_factory.mktemp('grpo_run'))
+  train.train_and_evaluate(_run_config(qwen, 'low_ids'), workdir)
+  return workdir
+
+
+def _rewards(workdir):
+  return [r['train/reward'] for r in read_metrics(workdir) if 'train/reward' in r]
+
+
+def test_a_run_learns_its_reward_and_not_a_shuffled_one(qwen, learned, tmp_path, devices):
+  """The cheap guard against sign and normalisation bugs: the same run with the rewards
+  shuffled among the completions does not improve."""
+  del devices
+  got = _rewards(learned)
+  assert np.mean(got[-3:]) > np.mean(got[:3]) + 0.15, got
+  train.train_and_evaluate(_run_config(qwen, 'shuffled_low_ids'), str(tmp_path / 'control'))
+  control = _rewards(str(tmp_path / 'control'))
+  assert np.mean(control[-3:]) < np.mean(control[:3]) + 0.05, control
+  rows = read_metrics(learned)
+  for key in ('train/kl', 'train/entropy', 'train/clip_ratio/region', 'train/reward_std',
+              'train/rewards/low_ids/mean', 'train/completions/mean_length',
+              'train/completions/truncated', 'perf/rollout_tokens_per_s'):
+    assert key in rows[0], key
+  assert 'eval/greedy/low_ids' in rows[-1] and 'eval/sampled/low_ids' in rows[-1]
+
+
+def test_a_stopped_run_resumes_on_another_mesh_as_if_never_stopped(qwen, learned, tmp_path,
+                                                                    monkeypatch, devices):
+  """The policy, optimizer, reference, prompt order and the sampler's keys all resume: the
+  completions and so every logged figure are the straight run's."""
+  del devices
+  workdir = str(tmp_path / 'resumed')
+  stop_at(monkeypatch, 6)
+  train.train_and_evaluate(_run_config(qwen, 'low_ids'), workdir)
+  monkeypatch.undo()
+  assert _rewards(workdir) == _rewards(learned)[:6]
+  train.train_and_evaluate(_run_config(qwen, 'low_ids', **{'mesh.shape': (8, 1)}), workdir)
+  strip = lambda d: [{k: v for k, v in r.items() if not k.startswith('perf/')}
+                     for r in read_metrics(d)]
+  got, want = strip(workdir), strip(learned)
+  assert [r['step'] for r in got] == [r['step'] for r in want]
+  assert want[-2]['train/kl'] > 1e-3  # The reference matters.
+  for row, ref in zip(got, want):
+    assert row == pytest.approx(ref, rel=1e-4, abs=1e-6), (row, ref)
+
+
+@pytest.mark.parametrize('reward, message', [
+    ('raises', r"reward grpo_test:raises raised RuntimeError: no sevens \(on the completion "
+               r"'.*7.*' of prompt 'sort"),
+    ('nan', r"reward grpo_test:nan returned nan for the completion '.*' of prompt 'sort"),
+    ('short', r'reward grpo_test:short returned 15 values for 16 completions'),
+])
+def test_a_failing_reward_ends_the_run_in_one_line_naming_it_and_the_prompt(
+    qwen, tmp_path, reward, message, devices):
+  del devices
+  with pytest.raises(ZooError, match=message) as e:
+    train.train_and_evaluate(_run_config(qwen, reward), str(tmp_path / 'run'))
+  assert '\n' not in str(e.value)
+  assert not os.path.exists(tmp_path / 'run' / 'checkpoints') or not any(
+      d.isdigit() for d in os.listdir(tmp_path / 'run' / 'checkpoints'))
+
+
+@pytest.mark.parametrize('overrides, field', [
+    ({'grpo.max_completion_tokens': 60}, 'grpo.max_completion_tokens'),
+    ({'grpo.rewards': ('no_such_module:f',), 'grpo.reward_weights': ()}, 'config.grpo.rewards'),
+    ({'grpo.reward_weights': (1.0,)}, 'config.grpo.reward_weights'),
+    ({'train.batch_size': 12, 'grpo.num_generations': 8}, 'train.batch_size'),
+])
+def test_bad_grpo_settings_are_refused_before_anything_is_written(qwen, tmp_path, overrides,
+                                                                   field, devices):
+  del devices
+  with pytest.raises(ConfigError, match=field):
+    train.train_and_evaluate(_config(qwen, **overrides), str(tmp_path / 'run'))
+  assert not os.path.exists(tmp_path / 'run')
