@@ -85,8 +85,8 @@ def prepare(files: list[str], directory: str, tokenizer_spec: str, *, val_fracti
     for number, record in documents.json_records(file):
       where = f'--input: {file} line {number}'
       if not isinstance(record, dict) or any(k not in record for k in FIELDS):
-        raise ConfigError(f'{where}: a pair needs "prompt", "chosen" and "rejected"; got '
-                          f'{sorted(record) if isinstance(record, dict) else type(record).__name__}')
+        got = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ConfigError(f'{where}: a pair needs "prompt", "chosen" and "rejected"; got {got}')
       if isinstance(record['chosen'], list):
         if renderer is None:
           directory_ = tokenizer_spec if os.path.isdir(tokenizer_spec) else os.path.dirname(path)
@@ -184,8 +184,8 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
   return Dataset(task='dpo', model_fields={'vocab_size': vocab}, train_batch=train_batch,
                  eval_batches=eval_batches, num_train=len(train['mask']), token_unit='token',
                  decode=lambda ids: tokenizer.decode([int(i) for i in ids]),
-                 encode=lambda text: np.asarray(tokenizer.encode(text, add_special_tokens=False).ids,
-                                                np.int32),
+                 encode=lambda text: np.asarray(
+                     tokenizer.encode(text, add_special_tokens=False).ids, np.int32),
                  eos_id=tokenizer_lib.eos_id(tokenizer), reference=reference)
 
 

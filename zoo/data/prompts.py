@@ -4,8 +4,9 @@
 Input: JSON Lines, one `{"prompt": ..., <any other fields>}` per line; the prompt is text, or
 a list of messages rendered with the model's chat template and its generation prompt (TRL's
 conversational format). A text prompt starts as the model's documents did in training
-(tokenizer.document_start: its beginning-of-sequence token, else its end-of-document token). The other fields (e.g. "answer") are handed to the reward
-functions by name, as TRL hands a dataset's columns (zoo.run.rewards). Prompts are
+(tokenizer.document_start: its beginning-of-sequence token, else its end-of-document
+token). The other fields (e.g. "answer") are handed to the reward functions by name, as
+TRL hands a dataset's columns (zoo.data.rewards). Prompts are
 tokenized with the model's tokenizer (`--tokenizer`: its directory, a zoo workdir, or a
 tokenizer.json).
 
@@ -134,8 +135,8 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
                  train_batch=train_batch, eval_batches=eval_batches,
                  num_train=len(train['pad']), token_unit='token',
                  decode=lambda ids: tokenizer.decode([int(i) for i in ids]),
-                 encode=lambda text: np.asarray(tokenizer.encode(text, add_special_tokens=False).ids,
-                                                np.int32),
+                 encode=lambda text: np.asarray(
+                     tokenizer.encode(text, add_special_tokens=False).ids, np.int32),
                  eos_id=eos, stop_ids=(eos,) if eos >= 0 else (), records=records)
 
 

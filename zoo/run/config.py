@@ -433,8 +433,8 @@ def validate_with_data(config: ml_collections.ConfigDict, dataset: Dataset,
   if task.name == 'grpo' and 'max_len' in config.model:
     prompt = example['prompt'].shape[1]
     if prompt + config.grpo.max_completion_tokens > config.model.max_len:
-      fail('grpo.max_completion_tokens', f'{config.grpo.max_completion_tokens} tokens after prompts '
-           f'of {prompt} (data.seq_len, or the longest prompt) pass model.max_len='
+      fail('grpo.max_completion_tokens', f'{config.grpo.max_completion_tokens} tokens after '
+           f'prompts of {prompt} (data.seq_len, or the longest prompt) pass model.max_len='
            f'{config.model.max_len}; lower it or data.seq_len')
   family.check_inputs(config.model, task.model_inputs(task.train_example(example)))
   if config.eval.get('choice_tasks') and dataset.encode is None:

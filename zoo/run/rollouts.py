@@ -74,7 +74,8 @@ def train_rows(prompts: np.ndarray, pad: np.ndarray, tokens: np.ndarray, lengths
   target = at[:, 1:]
   mask = (target >= width) & (target < width + lengths[:, None])
   return {'inputs': whole[:, :-1].astype(np.int32), 'targets': whole[:, 1:].astype(np.int32),
-          'segments': real[:, :-1].astype(np.int32), 'positions': positions[:, :-1].astype(np.int32),
+          'segments': real[:, :-1].astype(np.int32),
+          'positions': positions[:, :-1].astype(np.int32),
           'mask': mask.astype(np.int32)}
 
 

@@ -311,10 +311,11 @@ class PolicyGradient(LanguageModel):
   completion's advantage, the token's loss is -min(r A, clip(r, 1 - epsilon, 1 +
   epsilon_high) A), plus beta times the k3 estimate of KL to the reference, exp(ref - logp)
   - (ref - logp) - 1, times r with `kl_correction` (so that its gradient is the reverse
-  KL's, unbiased: DeepSeek-V3.2, TRL 1.16's default). `loss` aggregates the tokens: 'dapo' and 'bnpo' their mean over the
-  global batch (one figure in zoo: the step's batch is global, where TRL's bnpo is per
-  device and accumulation step), 'grpo' each completion's mean then their mean, 'dr_grpo'
-  their sum over completions x `max_completion_tokens` (Dr. GRPO, arXiv:2503.20783).
+  KL's, unbiased: DeepSeek-V3.2, TRL 1.16's default). `loss` aggregates the tokens: 'dapo'
+  and 'bnpo' their mean over the global batch (one figure in zoo: the step's batch is
+  global, where TRL's bnpo is per device and accumulation step), 'grpo' each completion's
+  mean then their mean, 'dr_grpo' their sum over completions x `max_completion_tokens`
+  (Dr. GRPO, arXiv:2503.20783).
   Figures (means over the completion tokens): kl, entropy, clip_ratio/low, /high, /region.
   """
   name = 'grpo'
@@ -324,7 +325,8 @@ class PolicyGradient(LanguageModel):
                max_completion_tokens: int = 32, num_iterations: int = 1,
                kl_correction: bool = True, **unused):
     del unused  # The rollouts' settings (zoo.run.rollouts).
-    self.temperature, self.epsilon, self.epsilon_high = temperature, epsilon, epsilon_high or epsilon
+    self.temperature, self.epsilon = temperature, epsilon
+    self.epsilon_high = epsilon_high or epsilon
     self.beta, self.loss, self.importance = beta, loss, importance
     self.max_completion_tokens, self.num_iterations = max_completion_tokens, num_iterations
     self.kl_correction = kl_correction
