@@ -85,8 +85,10 @@ def rollout(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Ar
   'truncated' [B] bool (no stop id drawn: ran out of tokens) and 'steps' (the tokens the
   loop drew per row, at most N). Token t of a row is drawn with key fold_in(rng, P + t),
   as generate_cached's, so without stop ids the tokens are generate_cached's."""
-  decoder = model.clone(decode=True)
   batch, prompt_len = prompts_BP.shape
+  # The cache holds this call's tokens only: each step attends over prompt + budget slots,
+  # not the model's max_len.
+  decoder = model.clone(decode=True, cache_length=prompt_len + num_tokens)
   stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
   positions_BP = jnp.maximum(jnp.arange(prompt_len)[None, :] - pad_B[:, None], 0)
   logits_BPV, state = decoder.apply({'params': params}, prompts_BP, positions_BL=positions_BP,

@@ -118,6 +118,7 @@ class Transformer(nn.Module):
   dtype: str = 'float32'
   dropout_rate: float = 0.0
   decode: bool = False           # Keep and extend a key/value cache (zoo.models.decode).
+  cache_length: int = 0          # Decoding: the cache's slots, prompt + new tokens; 0: max_len.
 
   @property
   def kv_heads(self) -> int:

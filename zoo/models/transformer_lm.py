@@ -82,7 +82,7 @@ class TransformerLM(transformer.Transformer, kw_only=True):
     x_BLD = transformer.blocks(self, x_BLD, prefix='block', train=train, causal=True,
                                rotary=self.positions == 'rotary', positions_BL=positions_BL,
                                start_B=start_B, segments_BL=segments_BL,
-                               cache_length=self.max_len, stats=stats)
+                               cache_length=self.cache_length or self.max_len, stats=stats)
     x_BLD = transformer.norm(self, 'ln_final')(x_BLD)
     tied = embed_VD if self.tie_embeddings else None
     if targets_BL is not None:

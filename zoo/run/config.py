@@ -116,9 +116,9 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-# Module fields that are not config keys: Linen's own, and the decoding switch that
-# zoo.sample sets.
-_NOT_KEYS = ('parent', 'name', 'decode')
+# Module fields that are not config keys: Linen's own, and the decoding switch and cache
+# length that zoo.models.decode sets.
+_NOT_KEYS = ('parent', 'name', 'decode', 'cache_length')
 
 
 def model_config(name: str, **fields) -> ml_collections.ConfigDict:
