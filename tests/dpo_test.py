@@ -278,3 +278,29 @@ def test_conversational_pairs_train_on_what_the_template_adds_for_each_completio
     digit = prompt.split('sort ')[1][0]
     assert prompt == f'### Question:\nsort {digit} 1\n\n### Answer:\n'
     assert dataset.decode(batch['targets'][0, row][mask]) == want.format(d=digit)
+
+
+def test_under_lora_the_reference_is_the_base_and_only_adapters_train(qwen, tmp_path, devices):
+  """`,lora`: the reference scores are the base model's (the adapters start at zero), so the
+  first step's loss is log 2, and the base weights are left as imported."""
+  del devices
+  workdir = str(tmp_path / 'lora')
+  config = _config(qwen, ',smoke,lora', **{'train.steps': 4, 'checkpoint.every_steps': 4,
+                                          'eval.every_steps': 4})
+  train.train_and_evaluate(config, workdir)
+  rows = [r for r in read_metrics(workdir) if 'train/loss' in r]
+  assert rows[0]['train/loss'] == pytest.approx(np.log(2), abs=1e-5)
+  for name in ('chosen', 'rejected'):  # beta x (policy - reference): 0 at the start.
+    assert abs(rows[0][f'train/rewards/{name}']) < 1e-5, rows[0]
+  assert rows[-1]['train/loss'] < rows[0]['train/loss']
+  flat = {}
+  for source, settings in ((workdir, config), (qwen['workdir'], _config(qwen))):
+    trainer = Trainer(settings)
+    with trainer.scope():
+      params, _, _ = checkpoint.restore_params(source, trainer.setup.abstract_state().params)
+    flat[source] = {jax.tree_util.keystr(k): v for k, v in
+                    jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]}
+  base = flat[qwen['workdir']]
+  assert set(base) < set(flat[workdir])  # The run has adapters besides.
+  for key, value in base.items():
+    np.testing.assert_array_equal(flat[workdir][key], value, err_msg=key)
