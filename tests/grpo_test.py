@@ -341,3 +341,31 @@ def test_bad_grpo_settings_are_refused_before_anything_is_written(qwen, tmp_path
   with pytest.raises(ConfigError, match=field):
     train.train_and_evaluate(_config(qwen, **overrides), str(tmp_path / 'run'))
   assert not os.path.exists(tmp_path / 'run')
+
+
+def test_two_processes_sample_score_and_train_as_one(qwen, learned, tmp_path):
+  """The same 12 steps as `learned` (one process, 8 devices) on 2 processes of 4 devices:
+  the same prompts, completions, rewards and updates (each process scores every completion
+  and feeds its rows)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from conftest import REPO  # pylint: disable=import-outside-toplevel
+  from data_multihost_test import _close  # pylint: disable=import-outside-toplevel
+  config = _run_config(qwen, 'low_ids')
+  flags = {'data.path': qwen['data'], 'mesh.shape': '(4,2)', 'train.log_every_steps': 1,
+           'checkpoint.async_save': False, 'grpo.rewards': "('grpo_test:low_ids',)",
+           'grpo.reward_weights': '()', **{f'{group}.{key}': config[group][key] for group, key in (
+               ('grpo', 'beta'), ('grpo', 'max_completion_tokens'), ('train', 'steps'),
+               ('optimizer', 'learning_rate'), ('optimizer', 'warmup_steps'),
+               ('eval', 'every_steps'), ('checkpoint', 'every_steps'))}}
+  workdir = tmp_path / 'two'
+  result = subprocess.run(
+      [sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--processes=2', '--devices=4',
+       '--heartbeat_timeout=30', '--', f'--config={experiment("grpo_sort")}:{qwen["workdir"]},smoke',
+       *(f'--config.{k}={v}' for k, v in flags.items()), f'--workdir={workdir}'],
+      cwd=REPO, capture_output=True, text=True, timeout=240, check=False,
+      env={**os.environ, 'PYTHONPATH': os.path.dirname(__file__)})
+  assert result.returncode == 0, result.stdout[-3000:]
+  strip = lambda d: [{k: v for k, v in r.items() if not k.startswith('perf/')}
+                     for r in read_metrics(d)]
+  assert _close(strip(str(workdir)), strip(learned), rtol=1e-4)
