@@ -108,12 +108,12 @@ def token_losses(module: nn.Module, x_BLD: jax.Array, targets_BL: jax.Array, voc
                  chunks: int = 0, temperature: float = 1.0, entropy: bool = False) -> dict:
   """Each target's cross-entropy [B, L] (float32), whether it is the likeliest token
   [B, L] and, with `entropy`, the entropy of the distribution it is drawn from [B, L]
-  (logged, not differentiated), from the final hidden
-  states, without a [B, L, V] logits array: the sequence is cut into `loss_chunks(chunks,
-  L, V)` chunks, whose logits (vocab_logits's, soft cap and padding ids included) are
-  computed in turn under lax.map and, in the backward pass, recomputed from the chunk's
-  hidden states (jax.checkpoint): one chunk's logits are live at a time. `temperature`
-  divides the logits first (what a policy sampled at that temperature is scored with)."""
+  (logged, not differentiated), from the final hidden states, without a [B, L, V] logits
+  array: the sequence is cut into `loss_chunks(chunks, L, V)` chunks, whose logits
+  (vocab_logits's, soft cap and padding ids included) are computed in turn under lax.map
+  and, in the backward pass, recomputed from the chunk's hidden states (jax.checkpoint):
+  one chunk's logits are live at a time. `temperature` divides the logits first (what a
+  policy sampled at that temperature is scored with)."""
   batch, length, d_model = x_BLD.shape
   head_DV = _head(module, d_model, vocab_size, dtype, embed_VD)
   n = loss_chunks(chunks, length, head_DV.shape[1])

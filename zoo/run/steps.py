@@ -72,8 +72,8 @@ def loss(params: Any, state: TrainState, batch: dict, rng: jax.Array, task: Task
   weighted losses (a dict output's 'aux_loss': routed experts' router losses) at the
   batch's share of `total`. Also returns the model state the forward pass updated, and
   {'loss': the task's loss alone, the task's figures over `figure_total` (default
-  `total`), the model's
-  'aux_metrics'...} at that share (summed over microbatches, each is the batch's)."""
+  `total`), the model's 'aux_metrics'...} at that share (summed over microbatches, each is
+  the batch's)."""
   out, model_state = state.apply_fn(
       {'params': params, **state.model_state}, *task.model_inputs(batch),
       **task.model_keywords(batch), train=True, rngs={'dropout': rng},
