@@ -148,6 +148,14 @@ def prepared_text(tokenizer_dir, root, line='line {i}: the cat sat on the mat. '
   return str(root / name)
 
 
+def imported_state(trainer, workdir):
+  """`trainer`'s fresh state with the parameters of `workdir` (an imported model's run)."""
+  from zoo.store import checkpoint  # pylint: disable=import-outside-toplevel
+  with trainer.scope():
+    params, _, _ = checkpoint.restore_params(workdir, trainer.setup.abstract_state().params)
+  return trainer.initial.replace(params=params)
+
+
 def read_metrics(workdir):
   with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
     return [json.loads(line) for line in f]

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import Trainer, experiment, read_metrics, stop_at
+from conftest import Trainer, experiment, imported_state, read_metrics, stop_at
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.data import writer
 from zoo.errors import ConfigError
@@ -71,11 +71,7 @@ def _config(qwen, variant=',smoke', **overrides):
 
 
 def _imported(trainer, qwen):
-  """The trainer's state with the imported parameters."""
-  with trainer.scope():
-    params, _, _ = checkpoint.restore_params(qwen['workdir'],
-                                             trainer.setup.abstract_state().params)
-  return trainer.initial.replace(params=params)
+  return imported_state(trainer, qwen['workdir'])
 
 
 def _batch(trainer, size=4):

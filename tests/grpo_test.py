@@ -12,14 +12,13 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import Trainer, experiment, read_metrics, stop_at
+from conftest import Trainer, experiment, imported_state, read_metrics, stop_at
 from zoo.data import tokenizer as tokenizer_lib
 from zoo.data import writer
 from zoo.errors import ConfigError, ZooError
 from zoo.hf import layouts, transfer
 from zoo.run import config as cfg
 from zoo.run import rollouts, steps, train
-from zoo.store import checkpoint
 
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
@@ -59,10 +58,7 @@ def _config(qwen, variant=',smoke', **overrides):
 
 
 def _imported(trainer, qwen):
-  with trainer.scope():
-    params, _, _ = checkpoint.restore_params(qwen['workdir'],
-                                             trainer.setup.abstract_state().params)
-  return trainer.initial.replace(params=params)
+  return imported_state(trainer, qwen['workdir'])
 
 
 def _rollout(trainer, rows=8, seed=0):

@@ -8,8 +8,10 @@ data position of a run: resuming needs no iterator state, and every process comp
 same global batch order.
 """
 import dataclasses
+import io
 import json
-from typing import Callable, Iterator, Optional
+import os
+from typing import Any, Callable, Iterator, Optional
 
 import ml_collections
 import numpy as np
@@ -113,6 +115,29 @@ def read_metadata(path: str, fmt: str, versions: tuple[int, ...], kind: str,
                       f'{meta.get("version")}, but this zoo reads version '
                       f'{" or ".join(map(str, versions))}; prepare it '
                       'again with this zoo')
+  return meta
+
+
+def write_arrays(directory: str, name: str, **arrays: np.ndarray) -> None:
+  """`name`.npz in a dataset directory being written (preference pairs, prompts)."""
+  buffer = io.BytesIO()
+  np.savez(buffer, **arrays)
+  with open(os.path.join(directory, f'{name}.npz'), 'wb') as f:
+    f.write(buffer.getvalue())
+
+
+def read_arrays(path: str, name: str) -> dict:
+  """The arrays of `name`.npz in a dataset directory (local or in a bucket)."""
+  with np.load(io.BytesIO(storage.read_bytes(storage.join(path, f'{name}.npz')))) as f:
+    return dict(f)
+
+
+def finish(directory: str, tokenizer: Any, meta: dict) -> dict:
+  """Writes the tokenizer and, last, metadata.json (what makes the directory a dataset)."""
+  with open(os.path.join(directory, 'tokenizer.json'), 'w', encoding='utf-8') as f:
+    f.write(tokenizer.to_str())
+  with open(os.path.join(directory, METADATA), 'w', encoding='utf-8') as f:
+    json.dump(meta, f, indent=2)
   return meta
 
 

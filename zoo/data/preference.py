@@ -19,8 +19,6 @@ cut, as TRL's default), or to the longest pair's length if that is shorter, into
 completion's targets) and adds `reference` [B, 2], each completion's log-probability under
 the reference model: NaN until a run computes them (zoo.run.reference).
 """
-import io
-import json
 import os
 from typing import Any
 
@@ -29,8 +27,8 @@ import ml_collections
 import numpy as np
 
 from zoo.data import chat, documents, tokenizer as tokenizer_lib
-from zoo.data.dataset import (METADATA, DataSource, Dataset, Reference, epoch_order,
-                              padded_batches, read_metadata)
+from zoo.data.dataset import (DataSource, Dataset, Reference, epoch_order, finish,
+                              padded_batches, read_arrays, read_metadata, write_arrays)
 from zoo.errors import ConfigError, fail
 from zoo.store import storage
 
@@ -115,18 +113,11 @@ def prepare(files: list[str], directory: str, tokenizer_spec: str, *, val_fracti
       raise ConfigError(f'--input: no pair went to the {split} split ({index} pairs at '
                         '--val_fraction); give more pairs or change --val_fraction')
     pairs = np.asarray(out[split]['pairs'], np.int64)
-    buffer = io.BytesIO()
-    np.savez(buffer, ids=np.concatenate(out[split]['ids']), starts=pairs[:, [0, 2]],
-             lengths=pairs[:, [1, 3]], prompt=pairs[:, 4])
-    with open(os.path.join(directory, f'{split}.npz'), 'wb') as f:
-      f.write(buffer.getvalue())
+    write_arrays(directory, split, ids=np.concatenate(out[split]['ids']), starts=pairs[:, [0, 2]],
+                 lengths=pairs[:, [1, 3]], prompt=pairs[:, 4])
     meta['splits'][split] = {'pairs': len(pairs), 'tokens': int(offsets[split]),
                              'longest': int(pairs[:, [1, 3]].max())}
-  with open(os.path.join(directory, 'tokenizer.json'), 'w', encoding='utf-8') as f:
-    f.write(tokenizer.to_str())
-  with open(os.path.join(directory, METADATA), 'w', encoding='utf-8') as f:
-    json.dump(meta, f, indent=2)
-  return meta
+  return finish(directory, tokenizer, meta)
 
 
 def describe(meta: dict) -> str:
@@ -155,8 +146,7 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
   seq_len = min(data_config.seq_len, max(s['longest'] for s in meta['splits'].values()) - 1)
   splits = {}
   for split in SPLITS:
-    with np.load(io.BytesIO(storage.read_bytes(storage.join(path, f'{split}.npz')))) as f:
-      tokens, mask, cut = _windows(dict(f), seq_len)
+    tokens, mask, cut = _windows(read_arrays(path, split), seq_len)
     if cut:
       logging.warning('%s: %d of %d %s pairs are longer than data.seq_len + 1 = %d tokens: '
                       'their completions are cut', path, cut, len(tokens), split,
@@ -180,12 +170,10 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
     return padded_batches({**splits['val'], 'reference': reference.tables['val']},
                           global_batch_size, rows)
 
-  vocab = meta['vocab_size']
-  return Dataset(task='dpo', model_fields={'vocab_size': vocab}, train_batch=train_batch,
-                 eval_batches=eval_batches, num_train=len(train['mask']), token_unit='token',
-                 decode=lambda ids: tokenizer.decode([int(i) for i in ids]),
-                 encode=lambda text: np.asarray(
-                     tokenizer.encode(text, add_special_tokens=False).ids, np.int32),
+  decode, encode = tokenizer_lib.codec(tokenizer)
+  return Dataset(task='dpo', model_fields={'vocab_size': meta['vocab_size']},
+                 train_batch=train_batch, eval_batches=eval_batches,
+                 num_train=len(train['mask']), token_unit='token', decode=decode, encode=encode,
                  eos_id=tokenizer_lib.eos_id(tokenizer), reference=reference)
 
 

@@ -16,7 +16,6 @@ metadata.json last. Training batches are `prompt` [B, data.seq_len] int32, left-
 with 0 (a longer prompt keeps its end, counted in a warning), `pad` [B] (the padding
 before each prompt) and `index` [B] (the prompt's row in its split).
 """
-import io
 import json
 import os
 
@@ -25,8 +24,8 @@ import ml_collections
 import numpy as np
 
 from zoo.data import chat, documents, tokenizer as tokenizer_lib
-from zoo.data.dataset import (METADATA, DataSource, Dataset, epoch_order, padded_batches,
-                              read_metadata)
+from zoo.data.dataset import (DataSource, Dataset, epoch_order, finish, padded_batches,
+                              read_arrays, read_metadata, write_arrays)
 from zoo.errors import ConfigError, fail
 from zoo.store import storage
 
@@ -74,19 +73,12 @@ def prepare(files: list[str], directory: str, tokenizer_spec: str, *, val_fracti
       raise ConfigError(f'--input: no prompt went to the {split} split ({index} prompts at '
                         '--val_fraction); give more prompts or change --val_fraction')
     lengths = np.asarray(out[split]['lengths'], np.int64)
-    buffer = io.BytesIO()
-    np.savez(buffer, ids=np.concatenate(out[split]['ids']),
-             starts=np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths=lengths)
-    with open(os.path.join(directory, f'{split}.npz'), 'wb') as f:
-      f.write(buffer.getvalue())
+    write_arrays(directory, split, ids=np.concatenate(out[split]['ids']),
+                 starts=np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths=lengths)
     with open(os.path.join(directory, f'{split}.jsonl'), 'w', encoding='utf-8') as f:
       f.writelines(json.dumps(r) + '\n' for r in out[split]['records'])
     meta['splits'][split] = {'prompts': len(lengths), 'longest': int(lengths.max())}
-  with open(os.path.join(directory, 'tokenizer.json'), 'w', encoding='utf-8') as f:
-    f.write(tokenizer.to_str())
-  with open(os.path.join(directory, METADATA), 'w', encoding='utf-8') as f:
-    json.dump(meta, f, indent=2)
-  return meta
+  return finish(directory, tokenizer, meta)
 
 
 def describe(meta: dict) -> str:
@@ -112,8 +104,7 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
   length = min(data_config.seq_len, max(s['longest'] for s in meta['splits'].values()))
   splits, records = {}, {}
   for split in SPLITS:
-    with np.load(io.BytesIO(storage.read_bytes(storage.join(path, f'{split}.npz')))) as f:
-      prompts, pad, cut = _left_padded(dict(f), length)
+    prompts, pad, cut = _left_padded(read_arrays(path, split), length)
     if cut:
       logging.warning('%s: %d of %d %s prompts are longer than data.seq_len = %d tokens: their '
                       'beginnings are cut', path, cut, len(prompts), split, length)
@@ -131,12 +122,10 @@ def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
     return padded_batches(splits['val'], global_batch_size, rows)
 
   eos = tokenizer_lib.eos_id(tokenizer)
+  decode, encode = tokenizer_lib.codec(tokenizer)
   return Dataset(task='grpo', model_fields={'vocab_size': meta['vocab_size']},
                  train_batch=train_batch, eval_batches=eval_batches,
-                 num_train=len(train['pad']), token_unit='token',
-                 decode=lambda ids: tokenizer.decode([int(i) for i in ids]),
-                 encode=lambda text: np.asarray(
-                     tokenizer.encode(text, add_special_tokens=False).ids, np.int32),
+                 num_train=len(train['pad']), token_unit='token', decode=decode, encode=encode,
                  eos_id=eos, stop_ids=(eos,) if eos >= 0 else (), records=records)
 
 

@@ -11,7 +11,7 @@ the measure that compares models whatever their tokenizer.
 import json
 import os
 import re
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import tokenizers
@@ -112,6 +112,17 @@ def eos_id(tokenizer: tokenizers.Tokenizer) -> int:
     if (i := tokenizer.token_to_id(name)) is not None:
       return i
   return -1
+
+
+def codec(tokenizer: tokenizers.Tokenizer) -> tuple[Callable, Callable]:
+  """(ids -> text, text -> int32 ids without added special tokens): a Dataset's decode and
+  encode."""
+  def decode(ids):
+    return tokenizer.decode([int(i) for i in ids])
+
+  def encode(text):
+    return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
+  return decode, encode
 
 
 def document_start(tokenizer: tokenizers.Tokenizer) -> list[int]:
