@@ -83,7 +83,7 @@ class Rollouts:
   """The GRPO batches of a run: `batch(state, step)`, its figures in `metrics`, and
   `evaluate(params, step)`."""
 
-  def __init__(self, setup: setup_lib.Setup, state: steps.TrainState):
+  def __init__(self, setup: setup_lib.Setup):
     self.setup, config = setup, setup.config
     self.task, self.g = setup.task, config.grpo.num_generations
     self.rewards = rewards_lib.load(tuple(config.grpo.rewards), tuple(config.grpo.reward_weights))
@@ -111,16 +111,15 @@ class Rollouts:
       return -out['loss'] * batch['mask']
     self.score = jax.jit(score, in_shardings=(params_sharding, setup.batch_sharding),
                          out_shardings=setup.batch_sharding)
-    self.reference = self._reference(state) if self.task.beta else None
+    self.reference = self._reference() if self.task.beta else None
     self.current: Optional[dict] = None
     self.metrics: dict = {}
 
-  def _reference(self, state: steps.TrainState) -> Any:
+  def _reference(self) -> Any:
     """The reference parameters: None with LoRA (the base: adapters off, in `_ref_params`)."""
     setup, config = self.setup, self.setup.config
     if setup.trainable:
       return None
-    del state
     if config.checkpoint.init_from:
       with setup.scope():
         params, _, _ = checkpoint.restore_params(config.checkpoint.init_from,
@@ -225,7 +224,7 @@ class Rollouts:
     return result
 
 
-def make(setup: setup_lib.Setup, state: steps.TrainState) -> Optional[Rollouts]:
+def make(setup: setup_lib.Setup) -> Optional[Rollouts]:
   """The run's rollouts if its task samples its own batches (GRPO), else None."""
-  return Rollouts(setup, state) if setup.task.name == 'grpo' else None
+  return Rollouts(setup) if setup.task.name == 'grpo' else None
 

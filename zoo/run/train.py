@@ -235,7 +235,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
     profile = profiling.Profile(config.profile.steps, workdir.path)
     cleanup.callback(profile.close)
     read_before = setup.dataset.examples_read() if setup.dataset.examples_read else 0
-    source = rollouts.make(setup, state)  # GRPO: batches sampled from the policy itself.
+    source = rollouts.make(setup)  # GRPO: batches sampled from the policy itself.
     if source is None:
       train_batches = feed.TrainBatches(setup.dataset, setup.batch_sharding,
                                         config.train.batch_size, start)
