@@ -2,32 +2,44 @@
 
 - `rollout`: prefill the prompts once, then one token per step from a key/value cache (the
   model with `decode=True`; the cache is sharded over heads like attention's
-  activations), each row stopping at its stop ids and the loop when all have, with each
-  drawn token's log-probability: what post-training samples from its live parameters.
+  activations), each row stopping at its stop ids, done rows leaving the batch and the
+  loop ending when all are done, with each drawn token's log-probability: what
+  post-training samples from its live parameters.
   Prompts of different lengths are left-padded: each row's positions and its cache mask
   start after its padding. Needs prompt + new tokens <= the model's max_len.
   `generate_cached` is rollout's tokens after the prompts, every row running to the end.
 - `generate`: recompute the whole window for every token, sliding past max_len; what the
   trainer's eval sample uses, and the fallback for samples longer than max_len.
 
-All draw token t with the key fold_in(rng, t) (t its position in the output), so given
-the same logits they pick the same tokens: greedily (temperature 0), or by sampling among
+All draw token t of row b with the key fold_in(fold_in(rng, t), b) (t its position in the
+output), so given the same logits they pick the same tokens: greedily (temperature 0), or by sampling among
 the `top_k` likeliest and the smallest set of likeliest tokens whose probability reaches
 `top_p`. Jit them with the sampling settings static.
 """
-from typing import Callable
+from typing import Callable, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 
+def first_max(x_BV: jax.Array) -> jax.Array:
+  """jnp.argmax over the last axis (the first of equal largest), as two plain reductions:
+  argmax's variadic reduce is 2-3x slower on CPU, once per decoding step."""
+  size = x_BV.shape[-1]
+  top_B1 = x_BV.max(axis=-1, keepdims=True)
+  first_B = jnp.min(jnp.where(x_BV == top_B1, jnp.arange(size, dtype=jnp.int32), size), axis=-1)
+  return jnp.minimum(first_B, size - 1)  # NaN logits: the last id rather than out of range.
+
+
 def choose(logits_BV: jax.Array, rng: jax.Array, temperature: float = 1.0, top_k: int = 0,
-           top_p: float = 1.0) -> jax.Array:
+           top_p: float = 1.0, rows_B: Optional[jax.Array] = None) -> jax.Array:
   """The next token of each row: argmax at temperature 0, else a sample of the filtered
-  distribution."""
+  distribution (the Gumbel-max draw of jax.random.categorical). Row b's noise comes from
+  fold_in(rng, rows_B[b]) (default: b), so a row draws the same token whichever batch,
+  position or device holds it."""
   if temperature == 0:
-    return jnp.argmax(logits_BV, axis=-1)
+    return first_max(logits_BV)
   logits_BV = logits_BV.astype(jnp.float32) / temperature
   if top_k:
     kth_B1 = jax.lax.top_k(logits_BV, top_k)[0][:, -1:]
@@ -38,7 +50,11 @@ def choose(logits_BV: jax.Array, rng: jax.Array, temperature: float = 1.0, top_k
     before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV  # Probability of the likelier ones.
     cutoff_B1 = jnp.min(jnp.where(before_BV < top_p, sorted_BV, jnp.inf), axis=-1, keepdims=True)
     logits_BV = jnp.where(logits_BV < cutoff_B1, -1e30, logits_BV)
-  return jax.random.categorical(rng, logits_BV)
+  if rows_B is None:
+    rows_B = jnp.arange(logits_BV.shape[0])
+  noise_BV = jax.vmap(lambda row: jax.random.gumbel(
+      jax.random.fold_in(rng, row), logits_BV.shape[1:], jnp.float32))(rows_B)
+  return first_max(logits_BV + noise_BV)
 
 
 def generate(apply_fn: Callable, variables: dict, tokens_BT: jax.Array, prompt_len: int,
@@ -70,22 +86,54 @@ def token_logps(logits_BV: jax.Array, tokens_B: jax.Array, temperature: float) -
   return jnp.take_along_axis(logp_BV, tokens_B[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
 
+def _take_rows(cache: dict, order_W: jax.Array) -> dict:
+  """The cache's keys and values of the rows `order_W` (their batch axis is the fourth
+  from last: after the layers' under nn.scan); write indices as they are."""
+  def take(path, x):
+    if path[-1].key in ('key', 'value'):
+      return jnp.take(x, order_W, axis=x.ndim - 4)
+    return x
+  return jax.tree_util.tree_map_with_path(take, cache)
+
+
+NARROWING = 4  # Each narrower batch a quarter as wide: few loops to compile (one each).
+
+
+def narrowing(batch: int, shards: int = 1) -> list[int]:
+  """The widths a rollout's batch narrows through: each a quarter of the one before (else
+  a half), while it stays a multiple of `shards`."""
+  widths = [batch]
+  while True:
+    width = widths[-1]
+    narrower = [width // f for f in (NARROWING, 2) if width % f == 0 and (width // f) % shards == 0]
+    if not narrower:
+      return widths
+    widths.append(narrower[0])
+
+
 def rollout(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Array,
             num_tokens: int, rng: jax.Array, temperature: float = 1.0, top_k: int = 0,
-            top_p: float = 1.0, stop_ids: tuple[int, ...] = ()) -> dict:
+            top_p: float = 1.0, stop_ids: tuple[int, ...] = (), shards: int = 1) -> dict:
   """Completions of left-padded prompts (pad_B tokens of padding each) from a key/value
   cache: one prefill, then one token per step for every row until each row has drawn one
   of `stop_ids` (kept, as its last token) or `num_tokens` tokens; the loop ends when
-  every row is done, so a batch that stops early costs only the steps it ran. Shapes are
-  fixed by (batch, prompt length, num_tokens): one program for a whole run.
+  every row is done. Rows that are done leave the batch: once the rows still drawing fit
+  a batch a quarter as wide (`narrowing`), they and their cache move into it, down to
+  `shards` rows (the batch's shards over the mesh: every width stays a multiple of it),
+  so a long tail costs only its own rows. Shapes are fixed by (batch, prompt length,
+  num_tokens): one program for a whole run.
 
   Returns a dict of arrays: 'tokens' [B, N] (0 past a row's end), 'logps' [B, N] float32
   (each drawn token's log-probability at `temperature`: token_logps; 0 past the end),
   'mask' [B, N] int32 (1 on a row's completion, its stop token included), 'lengths' [B],
-  'truncated' [B] bool (no stop id drawn: ran out of tokens) and 'steps' (the tokens the
-  loop drew per row, at most N). Token t of a row is drawn with key fold_in(rng, P + t),
-  as generate_cached's, so without stop ids the tokens are generate_cached's."""
+  'truncated' [B] bool (no stop id drawn: ran out of tokens), 'steps' (the tokens the
+  loop drew per row, at most N) and 'row_steps' (rows x steps the model ran after the
+  prefill: B x (steps - 1) without narrowing). Token t of row b is drawn with key fold_in(rng, P + t)
+  and row b (choose), as generate_cached's, whatever width the batch has by then: without
+  stop ids the tokens are generate_cached's, with them each row's are the same up to its
+  stop."""
   batch, prompt_len = prompts_BP.shape
+  pad_B = jnp.asarray(pad_B)
   # The cache holds this call's tokens only: each step attends over prompt + budget slots,
   # not the model's max_len.
   decoder = model.clone(decode=True, cache_length=prompt_len + num_tokens)
@@ -94,39 +142,52 @@ def rollout(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Ar
   logits_BPV, state = decoder.apply({'params': params}, prompts_BP, positions_BL=positions_BP,
                                     start_B=pad_B, mutable=['cache'])
 
-  def draw(t, logits_BV, carry):
-    """Token t of every row not yet done, its log-prob, and who is done after it."""
-    tokens_BN, logps_BN, done_B = carry
-    next_B = choose(logits_BV, jax.random.fold_in(rng, prompt_len + t), temperature, top_k,
-                    top_p).astype(jnp.int32)
-    logp_B = token_logps(logits_BV, next_B, temperature)
-    tokens_BN = tokens_BN.at[:, t].set(jnp.where(done_B, 0, next_B))
-    logps_BN = logps_BN.at[:, t].set(jnp.where(done_B, 0.0, logp_B))
-    return tokens_BN, logps_BN, done_B | jnp.isin(next_B, stops)
+  def draw(t, logits_WV, rows_W, drawn):
+    """Token t of the rows `rows_W` not yet done, its log-prob, and who is done after it."""
+    tokens_BN, logps_BN, done_B = drawn
+    done_W = done_B[rows_W]
+    next_W = choose(logits_WV, jax.random.fold_in(rng, prompt_len + t), temperature, top_k,
+                    top_p, rows_W).astype(jnp.int32)
+    logp_W = token_logps(logits_WV, next_W, temperature)
+    return (tokens_BN.at[rows_W, t].set(jnp.where(done_W, 0, next_W)),
+            logps_BN.at[rows_W, t].set(jnp.where(done_W, 0.0, logp_W)),
+            done_B.at[rows_W].set(done_W | jnp.isin(next_W, stops)))
 
-  first = (jnp.zeros((batch, num_tokens), jnp.int32), jnp.zeros((batch, num_tokens), jnp.float32),
+  rows_B = jnp.arange(batch)
+  drawn = (jnp.zeros((batch, num_tokens), jnp.int32), jnp.zeros((batch, num_tokens), jnp.float32),
            jnp.zeros((batch,), bool))
-  first = draw(0, logits_BPV[:, -1], first)
-
-  def cond(carry):
-    t, (_, _, done_B), _ = carry
-    return (t < num_tokens) & ~done_B.all()
+  drawn = draw(0, logits_BPV[:, -1], rows_B, drawn)
 
   def body(carry):
-    t, drawn, cache = carry
-    token_B1 = jax.lax.dynamic_slice_in_dim(drawn[0], t - 1, 1, axis=1)
-    positions_B1 = (prompt_len + t - 1 - pad_B)[:, None]
-    logits_B1V, state = decoder.apply({'params': params, 'cache': cache}, token_B1,
-                                      positions_BL=positions_B1, start_B=pad_B, mutable=['cache'])
-    return t + 1, draw(t, logits_B1V[:, 0], drawn), state['cache']
-  steps, (tokens_BN, logps_BN, done_B), _ = jax.lax.while_loop(
-      cond, body, (jnp.asarray(1, jnp.int32), first, state['cache']))
+    t, drawn, cache, rows_W, pad_W = carry
+    token_W1 = drawn[0][rows_W, t - 1][:, None]
+    positions_W1 = (prompt_len + t - 1 - pad_W)[:, None]
+    logits_W1V, state = decoder.apply({'params': params, 'cache': cache}, token_W1,
+                                      positions_BL=positions_W1, start_B=pad_W, mutable=['cache'])
+    return t + 1, draw(t, logits_W1V[:, 0], rows_W, drawn), state['cache'], rows_W, pad_W
+
+  widths = narrowing(batch, shards)
+  carry = (jnp.asarray(1, jnp.int32), drawn, state['cache'], rows_B, pad_B)
+  row_steps = jnp.asarray(0, jnp.int32)
+  for width, narrower in zip(widths, widths[1:] + [0]):
+    if width < batch:  # The rows still drawing first, then done ones to fill the width.
+      _, drawn, cache, rows_W, pad_W = carry
+      order_W = jnp.argsort(drawn[2][rows_W], stable=True)[:width]
+      carry = (carry[0], drawn, _take_rows(cache, order_W), rows_W[order_W], pad_W[order_W])
+
+    def cond(carry, narrower=narrower):
+      t, (_, _, done_B), *_ = carry
+      return (t < num_tokens) & ((~done_B).sum() > narrower)
+    start = carry[0]
+    carry = jax.lax.while_loop(cond, body, carry)
+    row_steps += width * (carry[0] - start)
+  steps, (tokens_BN, logps_BN, done_B) = carry[:2]
   # A row's tokens run to its stop id (included): the first one, or all N.
   stopped_BN = jnp.isin(tokens_BN, stops) & (jnp.arange(num_tokens) < steps)[None, :]
   lengths_B = jnp.where(stopped_BN.any(axis=1), jnp.argmax(stopped_BN, axis=1) + 1, steps)
   mask_BN = (jnp.arange(num_tokens)[None, :] < lengths_B[:, None]).astype(jnp.int32)
   return {'tokens': tokens_BN * mask_BN, 'logps': logps_BN * mask_BN, 'mask': mask_BN,
-          'lengths': lengths_B, 'truncated': ~done_B, 'steps': steps}
+          'lengths': lengths_B, 'truncated': ~done_B, 'steps': steps, 'row_steps': row_steps}
 
 
 def generate_cached(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Array,
