@@ -252,8 +252,8 @@ def short(completions, **unused):
   return [0.0] * (len(completions) - 1)
 
 
-def _run_config(qwen, reward, **overrides):
-  return _config(qwen, **{'grpo.rewards': (f'grpo_test:{reward}',), 'grpo.reward_weights': (),
+def _run_config(qwen, reward, variant=',smoke', **overrides):
+  return _config(qwen, variant, **{'grpo.rewards': (f'grpo_test:{reward}',), 'grpo.reward_weights': (),
                           'grpo.beta': 0.05,
                           'grpo.max_completion_tokens': N, 'train.steps': 12,
                           'optimizer.learning_rate': 3e-2, 'optimizer.warmup_steps': 0,
@@ -307,6 +307,33 @@ def test_a_stopped_run_resumes_on_another_mesh_as_if_never_stopped(qwen, learned
   assert want[-2]['train/kl'] > 1e-3  # The reference matters.
   for row, ref in zip(got, want):
     assert row == pytest.approx(ref, rel=1e-4, abs=1e-6), (row, ref)
+
+
+def test_a_lora_run_exports_a_peft_adapter_that_peft_loads_with_zoos_logits(qwen, tmp_path,
+                                                                           devices):
+  """GRPO training rank-8 adapters on the imported Qwen2: `zoo.convert export --peft` writes
+  an adapter directory that peft loads onto the transformers original, giving the tuned
+  zoo model's logits."""
+  del devices
+  peft = pytest.importorskip('peft')
+  from zoo.hf import transfer as hf_transfer  # pylint: disable=import-outside-toplevel
+  workdir, adapter = str(tmp_path / 'run'), str(tmp_path / 'adapter')
+  config = _run_config(qwen, 'low_ids', ',smoke,lora', **{'train.steps': 4})
+  train.train_and_evaluate(config, workdir)
+  trainer = Trainer(config)
+  x = np.random.default_rng(0).integers(0, QWEN['vocab_size'], (2, 10)).astype(np.int32)
+  with trainer.scope():
+    logits = jax.jit(lambda p, x: trainer.model.apply({'params': p}, x))
+    want = np.asarray(logits(imported_state(trainer, workdir).params, x))[..., :QWEN['vocab_size']]
+  base = transformers.Qwen2ForCausalLM.from_pretrained(qwen['hf']).eval()
+  with torch.no_grad():
+    start = base(torch.tensor(x, dtype=torch.long)).logits.numpy()
+  assert np.abs(want - start).max() > 1e-3  # The adapters learned something.
+  hf_transfer.export_model(workdir, adapter, peft=True)
+  tuned = peft.PeftModel.from_pretrained(base, adapter).eval()
+  with torch.no_grad():
+    got = tuned(torch.tensor(x, dtype=torch.long)).logits.numpy()
+  np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize('reward, message', [
@@ -365,3 +392,40 @@ def test_two_processes_sample_score_and_train_as_one(qwen, learned, tmp_path):
   strip = lambda d: [{k: v for k, v in r.items() if not k.startswith('perf/')}
                      for r in read_metrics(d)]
   assert _close(strip(str(workdir)), strip(learned), rtol=1e-4)
+
+
+@pytest.mark.parametrize('variant, reference', [(',smoke', True), (',smoke,lora', False)])
+def test_dry_run_counts_the_rollout_its_cache_and_the_reference(qwen, variant, reference,
+                                                                devices):
+  """--dry_run for GRPO compiles the rollout beside the update and counts what stays on a
+  device beside each: the reference parameters throughout (a copy of the parameters with
+  beta > 0; none under LoRA, whose reference is the base), and during the rollout the
+  optimizer state; the verdict is the largest of those totals against the budget."""
+  del devices
+  from zoo.run import plan  # pylint: disable=import-outside-toplevel
+  c = _config(qwen, variant)
+  p = plan.make_plan(c)
+  held = p['bytes_per_device']
+  assert held['reference'] == (held['params'] if reference else 0)
+  rows, prompt = c.train.batch_size, p['rollout']['prompt']
+  assert p['rollout']['rows'] == rows and p['rollout']['completion'] == 16
+  # Keys and values of 2 layers, 4 heads of 4, prompt + completion slots, float32; the
+  # rows split over the 4 batch shards, the heads over the 2 'model' shards.
+  cache = 2 * 2 * rows * 4 * (prompt + 16) * 4 * 4
+  assert p['rollout']['cache_bytes'] == cache
+  assert p['rollout']['cache_per_device'] == cache // 8
+  resident = held['optimizer'] + held['model_state'] + held['other']
+  assert p['totals'] == {
+      'train': p['compiled_memory']['peak'] + held['reference'],
+      'eval': p['eval_memory']['peak'] + held['reference'],
+      'rollout': p['rollout']['memory']['peak'] + resident + held['reference']}
+  text = plan.format_plan(p)
+  assert 'rollout (GRPO): 16 rows of' in text
+  assert ('reference parameters: none' in text) is not reference
+  worst = max(p['totals'], key=p['totals'].get)
+  for gib, fits in ((p['totals'][worst] / 2**30 * 0.999, False),
+                    (p['totals'][worst] / 2**30 * 1.001, True)):
+    assert plan.make_plan(c, gib)['fits'] is fits
+  assert plan.refusal_line(plan.make_plan(c, p['totals'][worst] / 2**30 * 0.999),
+                           p['totals'][worst] / 2**30 * 0.999).startswith(
+                               f'zoo: the {worst} step needs')

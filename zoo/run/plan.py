@@ -26,7 +26,7 @@ from zoo.errors import ConfigError
 from zoo.models import attention, layers
 from zoo.parallel import hlo, sharding, topology
 from zoo.run import config as cfg
-from zoo.run import memory, perf
+from zoo.run import memory, perf, rollouts
 from zoo.run import setup as setup_lib
 
 
@@ -114,6 +114,30 @@ def _experts_held(setup: setup_lib.Setup) -> Optional[dict]:
           'buffer_bytes': buffer * model.d_model * width if buffer else None}
 
 
+def _rollout_held(setup: setup_lib.Setup, state: Any) -> dict:
+  """GRPO: the rollout's shape and its key/value cache per device (batch rows over the
+  batch's shards, key/value heads over theirs where the rules split them)."""
+  prompts, pad, _, _ = rollouts.abstract_inputs(setup)
+  rows, length = prompts.shape
+  new = setup.config.grpo.max_completion_tokens
+  decoder = setup.model.clone(decode=True, cache_length=length + new)
+  cache = jax.eval_shape(lambda p, x, n: decoder.apply(
+      {'params': p}, x, start_B=n, mutable=['cache'])[1], state.params, prompts, pad)
+  leaves = [x for path, x in jax.tree_util.tree_leaves_with_path(cache)
+            if path[-1].key in ('key', 'value')]
+  total = sum(x.size * x.dtype.itemsize for x in leaves)
+  shards = math.prod(setup.mesh.shape[a] for a in sharding.batch_mesh_axes(setup.rules))
+  grouped = setup.model.kv_heads != setup.model.num_heads
+  head_rule = 'act_kv_heads' if grouped else 'act_heads'
+  head_axes = next((axes for name, axes in setup.rules if name == head_rule), None)
+  head_shards = math.prod(setup.mesh.shape[a] for a in sharding.mesh_axes_of(head_axes))
+  heads = leaves[0].shape[-3]
+  if heads % head_shards:
+    head_shards = 1
+  return {'rows': rows, 'prompt': length, 'completion': new, 'cache_bytes': total,
+          'cache_per_device': total // (min(shards, rows) * head_shards)}
+
+
 def _usable(target: Optional[topology.Target], device) -> tuple[Optional[int], str]:
   """(bytes a device may use, where the figure comes from): the target's, or where the plan
   runs on this machine's accelerators, what their runtime lets JAX use; (None, '') on CPU."""
@@ -121,6 +145,26 @@ def _usable(target: Optional[topology.Target], device) -> tuple[Optional[int], s
     return topology.usable_memory(target, device)
   local = topology.local_memory(device)
   return (local[0], f"JAX's on this {device.device_kind}: {local[1]}") if local else (None, '')
+
+
+def _held(setup: setup_lib.Setup, state: Any) -> dict:
+  """The state's bytes per device by part, and GRPO's reference parameters (a second copy
+  of the parameters, resident throughout; none under LoRA or beta 0)."""
+  held = {'params': sharding.per_device_bytes(state.params),
+          'optimizer': sharding.per_device_bytes(state.opt_state),
+          'model_state': sharding.per_device_bytes(state.model_state)}
+  held['other'] = sharding.per_device_bytes(state) - sum(held.values())  # The step counter.
+  if setup.task.name == 'grpo':
+    held['reference'] = held['params'] if rollouts.holds_reference(setup) else 0
+  return held
+
+
+def _resident(name: str, held: dict) -> int:
+  """What stays on a device beside a program's own arguments while it runs: GRPO's
+  reference parameters throughout, and during the rollout (which takes the parameters
+  only) the optimizer and model state."""
+  beside = held['optimizer'] + held['model_state'] + held['other'] if name == 'rollout' else 0
+  return held.get('reference', 0) + beside
 
 
 def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
@@ -134,12 +178,11 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
     platform = devices[0].platform
     train = compile_step(platform, setup.jit_train_step(), state, setup.batch)
     evaluate = compile_step(platform, setup.jit_eval_step(), state, setup.eval_batch())
-  held = {'params': sharding.per_device_bytes(state.params),
-          'optimizer': sharding.per_device_bytes(state.opt_state),
-          'model_state': sharding.per_device_bytes(state.model_state),
-          'batch': sharding.per_device_bytes(setup.batch)}
-  held['other'] = sharding.per_device_bytes(state) - held['params'] - held['optimizer'] - \
-      held['model_state']  # The step counter.
+    rollout = (compile_step(platform, rollouts.program(setup), state.params,
+                            *rollouts.abstract_inputs(setup))
+               if setup.task.name == 'grpo' else None)
+    rollout_held = _rollout_held(setup, state) if rollout is not None else None
+  held = dict(_held(setup, state), batch=sharding.per_device_bytes(setup.batch))
   if setup.trainable:  # LoRA: what a full fine-tune's optimizer would hold, to compare.
     full = config.copy_and_resolve_references()
     full.model.lora.rank = 0
@@ -151,9 +194,14 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
                       'compiled step, so the budget cannot be checked; drop the flag')
   usable, usable_source = _usable(target, devices[0] if target else jax.local_devices()[0])
   limit = min(x for x in (budget, usable) if x) if (budget or usable) else None
-  refused = train.refusal or evaluate.refusal
+  programs = {'train': train, 'eval': evaluate}
+  if rollout is not None:
+    programs['rollout'] = rollout
+  totals = {name: c.memory['peak'] + _resident(name, held)
+            for name, c in programs.items() if c.memory}
+  refused = next((name for name, c in programs.items() if c.refusal), None)
   fits = False if refused else None if limit is None else all(
-      c.memory['peak'] <= limit for c in (train, evaluate) if c.memory)
+      total <= limit for total in totals.values())
   rows = feed.rows_by_process(setup.batch_sharding, config.train.batch_size)
   return {
       'target': target.name if target else None,
@@ -165,10 +213,13 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
       'attention': {'requested': config.model.get('attention'), 'layers': chosen},
       'loss': _loss_held(setup), 'experts': _experts_held(setup),
       'compiled_memory': train.memory, 'eval_memory': evaluate.memory,
+      'rollout': dict(rollout_held, memory=rollout.memory) if rollout is not None else None,
+      'totals': totals,
       'device_memory_bytes': budget, 'usable_bytes': usable, 'usable_source': usable_source,
       'fits': fits,
-      'refusal': {'step': 'train' if train.refusal else 'eval',
-                  'message': refused, 'needed': (train if train.refusal else evaluate).needed}
+      'refusal': {'step': refused, 'message': programs[refused].refusal,
+                  'needed': programs[refused].needed and
+                            programs[refused].needed + _resident(refused, held)}
                  if refused else None,
       'step_cost': perf.step_cost(setup, state, train.program),
       'compile_s': train.seconds, 'eval_compile_s': evaluate.seconds,
@@ -208,6 +259,28 @@ def _memory_lines(p: dict) -> list[str]:
   lines.append('  (not counted: prefetched batches, the runtime\'s own reserve)')
   if p['eval_memory']:
     lines.append(f'compiled eval step, per device: peak {_mib(p["eval_memory"]["peak"])}')
+  return lines + _rollout_lines(p)
+
+
+def _rollout_lines(p: dict) -> list[str]:
+  """GRPO: the rollout's compiled peak and what stays resident beside each program."""
+  held = p.get('rollout')
+  if not held:
+    return []
+  lines = [f'rollout (GRPO): {held["rows"]:,} rows of {held["prompt"]:,} prompt + '
+           f'{held["completion"]:,} completion tokens; key/value cache '
+           f'{_mib(held["cache_per_device"])} per device']
+  if held['memory']:
+    lines.append(f'  compiled rollout, per device: peak {_mib(held["memory"]["peak"])} '
+                 '(parameters, cache, sampling)')
+  reference = p['bytes_per_device'].get('reference', 0)
+  lines.append(f'  reference parameters: {_mib(reference)} per device, resident throughout'
+               if reference else '  reference parameters: none (beta 0, or LoRA: the base '
+               'with adapters off)')
+  for name, total in p['totals'].items():
+    beside = ['reference'] * bool(reference) + ['optimizer state'] * (name == 'rollout')
+    if beside:
+      lines.append(f'  {name} peak + {" + ".join(beside)}: {_mib(total)}')
   return lines
 
 
@@ -313,10 +386,10 @@ def refusal_line(p: dict, device_memory_gib: float = 0.0) -> str:
   if refusal and refusal['needed'] is None:
     return (f'zoo: the {p["platform"].upper()} compiler refused the {refusal["step"]} step: '
             f'{refusal["message"]}')
-  step = refusal['step'] if refusal else 'train' if p['compiled_memory']['peak'] > min(
-      x for x in (p['device_memory_bytes'], p['usable_bytes']) if x) else 'eval'
-  needed = refusal['needed'] if refusal else p[
-      'compiled_memory' if step == 'train' else 'eval_memory']['peak']
+  limit = min(x for x in (p['device_memory_bytes'], p['usable_bytes']) if x)
+  step = refusal['step'] if refusal else next(
+      name for name, total in p['totals'].items() if total > limit)
+  needed = refusal['needed'] if refusal else p['totals'][step]
   usable = p['usable_bytes']
   if usable and (not device_memory_gib or usable <= device_memory_gib * 2**30):
     where = p['target'] or f'this {p["device_kind"]}'
@@ -327,17 +400,22 @@ def refusal_line(p: dict, device_memory_gib: float = 0.0) -> str:
           f'{change}')
 
 
-def _probe(setup: setup_lib.Setup, per_device: int) -> Compiled:
-  """The train step compiled for `per_device` examples per device."""
+def _probe(setup: setup_lib.Setup, per_device: int) -> dict:
+  """The train step (and GRPO's rollout) compiled for `per_device` examples per device."""
   size = per_device * setup.mesh.size
   config = setup.config.copy_and_resolve_references()
   config.train.batch_size = size
   batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=v.sharding)
            for k, v in setup.batch.items()}
   probe = dataclasses.replace(setup, config=config, batch=batch)
+  platform = probe.mesh.devices.flat[0].platform
   with probe.scope():
-    return compile_step(probe.mesh.devices.flat[0].platform, probe.jit_train_step(),
-                        probe.abstract_state(), batch)
+    state = probe.abstract_state()
+    programs = {'train': compile_step(platform, probe.jit_train_step(), state, batch)}
+    if probe.task.name == 'grpo':
+      programs['rollout'] = compile_step(platform, rollouts.program(probe), state.params,
+                                         *rollouts.abstract_inputs(probe))
+  return programs
 
 
 def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
@@ -358,15 +436,21 @@ def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   shards = setup.mesh.size // (setup.batch_sharding.shard_shape((setup.mesh.size,))[0] or 1)
   step = config.train.microbatches * shards // math.gcd(config.train.microbatches * shards,
                                                         setup.mesh.size)
-  probes, t0 = {}, time.perf_counter()
+  if setup.task.name == 'grpo':  # Whole groups of num_generations completions.
+    g = config.grpo.num_generations
+    step = math.lcm(step, g // math.gcd(g, setup.mesh.size))
+  held = _held(setup, setup.abstract_state())
+  probes, peaks, t0 = {}, {}, time.perf_counter()
 
   def fits(b):  # True, False (out of memory) or None (refused for another reason).
     if b not in probes:
       probes[b] = _probe(setup, b)
-    c = probes[b]
-    if c.refusal and c.needed is None:
+      peaks[b] = max((c.memory['peak'] + _resident(name, held)
+                      for name, c in probes[b].items() if c.memory), default=None)
+    programs = probes[b].values()
+    if any(c.refusal and c.needed is None for c in programs):
       return None
-    return c.memory is not None and c.memory['peak'] <= limit
+    return all(c.memory is not None for c in programs) and peaks[b] <= limit
 
   good, bad = 0, None
   b = max(config.train.batch_size // setup.mesh.size // step * step, step)
@@ -395,10 +479,11 @@ def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
       break
     lo, hi = (probe, hi) if verdict else (lo, probe)
   return {'batch_per_device': lo, 'global_batch': lo * setup.mesh.size,
-          'peak': probes[lo].memory['peak'] if lo else None, 'limit': limit, 'refused_at': hi,
-          'other_refusals': {b: c.refusal for b, c in sorted(probes.items())
+          'peak': peaks[lo] if lo else None, 'limit': limit, 'refused_at': hi,
+          'other_refusals': {b: c.refusal for b, programs in sorted(probes.items())
+                             for c in programs.values()
                              if c.refusal and c.needed is None},
-          'compiles': len(probes), 'seconds': time.perf_counter() - t0}
+          'compiles': sum(map(len, probes.values())), 'seconds': time.perf_counter() - t0}
 
 
 def format_max_batch(m: dict) -> str:

@@ -4,8 +4,8 @@ one training loop.
 Every `grpo.num_iterations` steps, the prompts of the step (train.batch_size /
 num_generations of them, the same on every process: a pure function of seed and step) are
 each completed num_generations times on the live, sharded parameters
-(zoo.models.decode.rollout: each row stops at the tokenizer's end token, the batch when
-every row has), with the key fold_in(fold_in(key(seed), 2), step): a resumed run draws the
+(zoo.models.decode.rollout: each row stops at the tokenizer's end token, done rows leave
+the batch down to one per batch shard, and the batch ends when every row is done), with the key fold_in(fold_in(key(seed), 2), step): a resumed run draws the
 same completions. Every process scores all completions with the reward functions
 (zoo.data.rewards), turns them into advantages (TRL 1.16's: the weighted sum of the
 functions' rewards, minus its group's mean, over the group's or the batch's standard
@@ -17,6 +17,7 @@ or the seed's fresh ones; with LoRA the base, adapters off) come from one forwar
 Evaluation completes every held-out prompt twice, sampled at the training temperature and
 greedily, and reports the mean reward of each function for both.
 """
+import math
 import time
 from typing import Any, Optional
 
@@ -28,6 +29,7 @@ import numpy as np
 
 from zoo.data import feed, rewards as rewards_lib
 from zoo.models import decode, lora
+from zoo.parallel import sharding
 from zoo.run import setup as setup_lib
 from zoo.run import steps
 from zoo.store import checkpoint
@@ -79,6 +81,40 @@ def train_rows(prompts: np.ndarray, pad: np.ndarray, tokens: np.ndarray, lengths
           'mask': mask.astype(np.int32)}
 
 
+def program(setup: setup_lib.Setup) -> Any:
+  """The run's rollout, jitted: (params, prompts [R, P], pad [R], rng, temperature (static))
+  -> decode.rollout's arrays, replicated; the prompts split over the batch's shards, done
+  rows leaving the batch down to one per shard."""
+  config, mesh = setup.config, setup.mesh
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  shards = math.prod(mesh.shape[a] for a in sharding.batch_mesh_axes(setup.rules))
+
+  def generate(params, prompts, pad, rng, temperature):
+    prompts = jax.lax.with_sharding_constraint(prompts, setup.batch_sharding)
+    pad = jax.lax.with_sharding_constraint(pad, setup.batch_sharding)
+    return decode.rollout(setup.model, params, prompts, pad, config.grpo.max_completion_tokens,
+                          rng, temperature, config.grpo.top_k, config.grpo.top_p,
+                          setup.dataset.stop_ids, shards)
+  return jax.jit(generate, in_shardings=(setup.state_shardings.params, replicated, replicated,
+                                         None),
+                 out_shardings=replicated, static_argnums=4)
+
+
+def abstract_inputs(setup: setup_lib.Setup) -> tuple:
+  """What `program` takes after the parameters, as shapes: one rollout of the train batch
+  (train.batch_size rows: num_generations of each prompt) and its temperature."""
+  rows, width = setup.batch['inputs'].shape
+  length = width + 1 - setup.config.grpo.max_completion_tokens  # Prompt + completion - 1.
+  return (jax.ShapeDtypeStruct((rows, length), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
+          jax.eval_shape(lambda: jax.random.key(0)), setup.task.temperature)
+
+
+def holds_reference(setup: setup_lib.Setup) -> bool:
+  """Whether a run keeps reference parameters beside the policy's: with a KL term (beta >
+  0), unless it trains LoRA adapters (the reference is then the base, adapters off)."""
+  return bool(setup.task.beta) and not setup.trainable
+
+
 class Rollouts:
   """The GRPO batches of a run: `batch(state, step)`, its figures in `metrics`, and
   `evaluate(params, step)`."""
@@ -89,20 +125,9 @@ class Rollouts:
     self.rewards = rewards_lib.load(tuple(config.grpo.rewards), tuple(config.grpo.reward_weights))
     self.scale, self.mask_truncated = config.grpo.scale_rewards, config.grpo.mask_truncated
     self.dataset, self.seed = setup.dataset, config.seed
-    mesh = setup.mesh
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     params_sharding = setup.state_shardings.params
     self.batch_sharding = setup.batch_sharding
-
-    def generate(params, prompts, pad, rng, temperature):
-      prompts = jax.lax.with_sharding_constraint(prompts, setup.batch_sharding)
-      pad = jax.lax.with_sharding_constraint(pad, setup.batch_sharding)
-      return decode.rollout(setup.model, params, prompts, pad, config.grpo.max_completion_tokens,
-                            rng, temperature, config.grpo.top_k, config.grpo.top_p,
-                            setup.dataset.stop_ids)
-    self.generate = jax.jit(generate, in_shardings=(params_sharding, replicated, replicated,
-                                                    None),
-                            out_shardings=replicated, static_argnums=4)
+    self.generate = program(setup)
 
     def score(params, batch):
       """Each target's log-probability at the temperature (0 off the mask)."""
@@ -111,15 +136,15 @@ class Rollouts:
       return -out['loss'] * batch['mask']
     self.score = jax.jit(score, in_shardings=(params_sharding, setup.batch_sharding),
                          out_shardings=setup.batch_sharding)
-    self.reference = self._reference() if self.task.beta else None
+    self.reference = self._reference() if holds_reference(setup) else None
+    # LoRA's reference: the base, adapters off, placed as the parameters are.
+    self.base = jax.jit(without_adapters, out_shardings=params_sharding)
     self.current: Optional[dict] = None
     self.metrics: dict = {}
 
   def _reference(self) -> Any:
-    """The reference parameters: None with LoRA (the base: adapters off, in `_ref_params`)."""
+    """The reference parameters (with LoRA none: the base, adapters off, in `_ref_params`)."""
     setup, config = self.setup, self.setup.config
-    if setup.trainable:
-      return None
     if config.checkpoint.init_from:
       with setup.scope():
         params, _, _ = checkpoint.restore_params(config.checkpoint.init_from,
@@ -128,7 +153,7 @@ class Rollouts:
     return setup.create_state().params  # The seed's: a pure function of it.
 
   def _ref_params(self, params: Any) -> Any:
-    return self.reference if self.reference is not None else jax.jit(without_adapters)(params)
+    return self.reference if self.reference is not None else self.base(params)
 
   def _complete(self, params: Any, batch: dict, rng: jax.Array, temperature: float,
                 repeat: int) -> tuple[dict, dict, list, list]:
