@@ -139,8 +139,8 @@ def rollout(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Ar
   decoder = model.clone(decode=True, cache_length=prompt_len + num_tokens)
   stops = jnp.asarray(stop_ids or (-1,), jnp.int32)
   positions_BP = jnp.maximum(jnp.arange(prompt_len)[None, :] - pad_B[:, None], 0)
-  logits_BPV, state = decoder.apply({'params': params}, prompts_BP, positions_BL=positions_BP,
-                                    start_B=pad_B, mutable=['cache'])
+  logits_B1V, state = decoder.apply({'params': params}, prompts_BP, positions_BL=positions_BP,
+                                    start_B=pad_B, last=True, mutable=['cache'])
 
   def draw(t, logits_WV, rows_W, drawn):
     """Token t of the rows `rows_W` not yet done, its log-prob, and who is done after it."""
@@ -156,7 +156,7 @@ def rollout(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Ar
   rows_B = jnp.arange(batch)
   drawn = (jnp.zeros((batch, num_tokens), jnp.int32), jnp.zeros((batch, num_tokens), jnp.float32),
            jnp.zeros((batch,), bool))
-  drawn = draw(0, logits_BPV[:, -1], rows_B, drawn)
+  drawn = draw(0, logits_B1V[:, -1], rows_B, drawn)
 
   def body(carry):
     t, drawn, cache, rows_W, pad_W = carry
@@ -166,7 +166,7 @@ def rollout(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Ar
                                       positions_BL=positions_W1, start_B=pad_W, mutable=['cache'])
     return t + 1, draw(t, logits_W1V[:, 0], rows_W, drawn), state['cache'], rows_W, pad_W
 
-  widths = narrowing(batch, shards)
+  widths = narrowing(batch, shards) if stop_ids else [batch]  # No stops: none end early.
   carry = (jnp.asarray(1, jnp.int32), drawn, state['cache'], rows_B, pad_B)
   row_steps = jnp.asarray(0, jnp.int32)
   for width, narrower in zip(widths, widths[1:] + [0]):

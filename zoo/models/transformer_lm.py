@@ -62,14 +62,17 @@ class TransformerLM(transformer.Transformer, kw_only=True):
                start_B: Optional[jax.Array] = None,
                segments_BL: Optional[jax.Array] = None,
                targets_BL: Optional[jax.Array] = None,
-               temperature: float = 1.0, entropy: bool = False) -> Union[jax.Array, dict]:
+               temperature: float = 1.0, entropy: bool = False,
+               last: bool = False) -> Union[jax.Array, dict]:
     """Packed documents (zoo.data.packing) give each token's `segments_BL` and its position
     in its document (`positions_BL`). With `decode=True`, `positions_BL` are the tokens'
     positions and `start_B` each row's first cache position (left padding before it); see
     zoo.models.decode. With `targets_BL`, no logits: each target's loss, whether it is the
     likeliest token and (`entropy`) the entropy it is drawn from, at `temperature`, computed
     `loss_chunks` at a time (layers.token_losses), and with
-    routed experts their weighted router losses ('aux_loss') and figures ('aux_metrics')."""
+    routed experts their weighted router losses ('aux_loss') and figures ('aux_metrics').
+    `last`: the last position's logits only, [B, 1, V] (a prefill: all a sampler reads; a
+    prompt's logits over a large vocabulary are the largest array a rollout would hold)."""
     embed_VD = layers.embedding_table(self, self.vocab_size, self.d_model, self.dtype)
     x_BLD = transformer.embed_tokens(self, embed_VD, tokens_BL)
     if self.embed_scale:  # Gemma: sqrt(d_model), in the computation dtype as HF rounds it.
@@ -91,6 +94,8 @@ class TransformerLM(transformer.Transformer, kw_only=True):
       if stats:
         out['aux_loss'], out['aux_metrics'] = router_losses(self, stats)
       return out
+    if last:
+      x_BLD = x_BLD[:, -1:]
     return layers.vocab_logits(self, x_BLD, self.vocab_size, self.dtype, tied,
                                self.final_softcap)
 
