@@ -148,6 +148,29 @@ def prepared_text(tokenizer_dir, root, line='line {i}: the cat sat on the mat. '
   return str(root / name)
 
 
+# The tiny random Qwen2 (q/k/v biases, grouped-query attention) that DPO's and GRPO's
+# checks against TRL import: one per test process.
+QWEN = dict(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+            bos_token_id=256, eos_token_id=256, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope='session')
+def qwen_import(tmp_path_factory):
+  """QWEN saved by transformers (with the bytes tokenizer) and imported into zoo:
+  {'hf': its directory, 'workdir': the import}."""
+  torch = pytest.importorskip('torch')
+  transformers = pytest.importorskip('transformers')
+  from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  from zoo.hf import transfer  # pylint: disable=import-outside-toplevel
+  root = tmp_path_factory.mktemp('qwen')
+  torch.manual_seed(0)
+  transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN)).save_pretrained(root / 'hf')
+  tokenizer_lib.bytes_tokenizer().save(str(root / 'hf' / 'tokenizer.json'))
+  transfer.import_model(str(root / 'hf'), str(root / 'imported'))
+  return {'hf': str(root / 'hf'), 'workdir': str(root / 'imported')}
+
+
 def imported_state(trainer, workdir):
   """`trainer`'s fresh state with the parameters of `workdir` (an imported model's run)."""
   from zoo.store import checkpoint  # pylint: disable=import-outside-toplevel

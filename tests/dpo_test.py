@@ -6,13 +6,13 @@ on every mesh, a run computes the reference once and its held-out margin and acc
 a stopped run resumes on another mesh as if never stopped, and bad pairs are one line."""
 import json
 import os
+import pathlib
 
 import jax
 import numpy as np
 import pytest
 
 from conftest import Trainer, experiment, imported_state, read_metrics, stop_at
-from zoo.data import tokenizer as tokenizer_lib
 from zoo.data import writer
 from zoo.errors import ConfigError
 from zoo.hf import layouts, transfer
@@ -23,11 +23,6 @@ from zoo.store import checkpoint
 torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 trl = pytest.importorskip('trl')
-
-QWEN = dict(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-            bos_token_id=256, eos_token_id=256, tie_word_embeddings=False)
-
 
 def _pairs(n, seed=0):
   """Prompts of digits; the chosen completion sorts them, the rejected one reverses them."""
@@ -42,22 +37,16 @@ def _pairs(n, seed=0):
 
 
 @pytest.fixture(scope='module')
-def qwen(tmp_path_factory):
-  """A tiny random Qwen2 (q/k/v biases, grouped-query attention) imported into zoo, and
-  160 sorting pairs prepared with its tokenizer (zoo.prepare preference, in process)."""
+def qwen(qwen_import, tmp_path_factory):
+  """The tiny Qwen2 imported into zoo (conftest.QWEN), and 160 sorting pairs prepared with
+  its tokenizer (zoo.prepare preference, in process)."""
   root = tmp_path_factory.mktemp('dpo')
-  torch.manual_seed(0)
-  model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN)).eval()
-  model.save_pretrained(root / 'hf')
-  tokenizer_lib.bytes_tokenizer().save(str(root / 'hf' / 'tokenizer.json'))
-  transfer.import_model(str(root / 'hf'), str(root / 'imported'))
   pairs = root / 'pairs.jsonl'
   pairs.write_text(''.join(json.dumps(r) + '\n' for r in _pairs(160)))
   data = str(root / 'pairs')
   writer.run('preference', writer.Options(inputs=(str(pairs),), output=data, val_fraction=0.2,
-                                          tokenizer=str(root / 'imported')))
-  return {'hf': str(root / 'hf'), 'workdir': str(root / 'imported'), 'data': data,
-          'root': root}
+                                          tokenizer=qwen_import['workdir']))
+  return {**qwen_import, 'data': data, 'root': root}
 
 
 def _config(qwen, variant=',smoke', **overrides):
@@ -139,7 +128,7 @@ def test_loss_figures_and_gradients_equal_trls(qwen, loss, devices):
   for name in FIGURES:
     assert figures[name] == pytest.approx(want_figures[name], abs=1e-5), name
   assert 0 < figures['rewards/accuracies'] < 1  # Both signs: the figures are not trivial.
-  hf_config = json.loads((qwen['root'] / 'hf' / 'config.json').read_text())
+  hf_config = json.loads((pathlib.Path(qwen['hf']) / 'config.json').read_text())
   _, arch = layouts.architecture(hf_config)
   checked = 0
   for tensor in arch.tensors(arch.from_hf(hf_config)):

@@ -7,13 +7,13 @@ the same on every mesh; a run learns where the reward says and not where it is s
 a stopped run resumes as if never stopped; bad rewards and budgets are one line."""
 import json
 import os
+import pathlib
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import Trainer, experiment, imported_state, read_metrics, stop_at
-from zoo.data import tokenizer as tokenizer_lib
+from conftest import QWEN, Trainer, experiment, imported_state, read_metrics, stop_at
 from zoo.data import writer
 from zoo.errors import ConfigError, ZooError
 from zoo.hf import layouts, transfer
@@ -24,27 +24,21 @@ torch = pytest.importorskip('torch')
 transformers = pytest.importorskip('transformers')
 trl = pytest.importorskip('trl')
 
-QWEN = dict(vocab_size=257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
-            bos_token_id=256, eos_token_id=256, tie_word_embeddings=False)
 N = 6  # Completion tokens in the numerics tests.
 
 
 @pytest.fixture(scope='module')
-def qwen(tmp_path_factory):
-  """A tiny random Qwen2 imported into zoo, and sorting prompts prepared with its tokenizer."""
+def qwen(qwen_import, tmp_path_factory):
+  """The tiny Qwen2 imported into zoo (conftest.QWEN), and sorting prompts prepared with
+  its tokenizer."""
   from zoo.data import sorting  # pylint: disable=import-outside-toplevel
   root = tmp_path_factory.mktemp('grpo')
-  torch.manual_seed(0)
-  transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**QWEN)).save_pretrained(root / 'hf')
-  tokenizer_lib.bytes_tokenizer().save(str(root / 'hf' / 'tokenizer.json'))
-  transfer.import_model(str(root / 'hf'), str(root / 'imported'))
   sorting.write(str(root / 'sort'), sft=10, pairs=10, prompts=120)
   data = str(root / 'prompts')
   writer.run('prompts', writer.Options(inputs=(str(root / 'sort' / 'prompts.jsonl'),),
                                        output=data, val_fraction=0.2,
-                                       tokenizer=str(root / 'imported')))
-  return {'hf': str(root / 'hf'), 'workdir': str(root / 'imported'), 'data': data, 'root': root}
+                                       tokenizer=qwen_import['workdir']))
+  return {**qwen_import, 'data': data, 'root': root}
 
 
 def _config(qwen, variant=',smoke', **overrides):
@@ -176,7 +170,7 @@ def test_loss_figures_and_gradients_equal_trls(qwen, case, devices):
           want_figures[f'clip_ratio/{name}_mean'], abs=1e-6), name
     if old:
       assert 0 < figures['clip_ratio/low'] and 0 < figures['clip_ratio/high']
-  hf_config = json.loads((qwen['root'] / 'hf' / 'config.json').read_text())
+  hf_config = json.loads((pathlib.Path(qwen['hf']) / 'config.json').read_text())
   _, arch = layouts.architecture(hf_config)
   for tensor in arch.tensors(arch.from_hf(hf_config)):
     got, want = tensor.to_hf(*[grads[p] for p in tensor.zoo]), want_grads[tensor.name]
