@@ -84,20 +84,18 @@ def test_rows_stop_at_their_stop_ids_and_the_batch_when_all_have(lm):
   np.testing.assert_array_equal(first['tokens'][:, 0], free['tokens'][:, 0])
 
 
-def test_the_batch_narrows_by_quarters_else_halves_in_multiples_of_its_shards():
+def test_each_shards_rows_narrow_by_quarters_else_halves():
   assert decode.narrowing(128) == [128, 32, 8, 2, 1]
-  assert decode.narrowing(8) == [8, 2, 1] and decode.narrowing(8, 4) == [8, 4]
-  assert decode.narrowing(12, 3) == [12, 3] and decode.narrowing(16, 16) == [16]
-  assert decode.narrowing(7) == [7]
+  assert decode.narrowing(8) == [8, 2, 1] and decode.narrowing(2) == [2, 1]
+  assert decode.narrowing(12) == [12, 3] and decode.narrowing(7) == [7]
 
 
-@pytest.mark.parametrize('shards, widths', [(1, (8, 2, 1)), (4, (8, 4))])
-def test_rows_that_are_done_leave_the_batch_and_the_rest_draw_what_they_would_have(
-    lm, shards, widths):
-  """With a third of the ids as stop ids most rows stop within a few tokens: the batch
-  narrows (8 rows, then 2, then 1; on the mesh's 4 batch shards no narrower than 4) and the
-  model runs fewer rows x steps, while every row still draws its own tokens, as in the
-  full batch, up to its stop."""
+@pytest.mark.parametrize('shards', [1, 4])
+def test_rows_that_are_done_leave_the_batch_and_the_rest_draw_what_they_would_have(lm, shards):
+  """With a third of the ids as stop ids most rows stop within a few tokens: each batch
+  shard's block of rows narrows (8 rows: 8, then 2, then 1; on the mesh's 4 batch shards
+  blocks of 2, then 1) and the model runs fewer rows x steps, while every row still draws
+  its own tokens, as in the full batch, up to its stop."""
   t, prompts, pad, roll, free = lm
   stops = tuple(range(1, t.model.vocab_size, 3))
   with t.scope():
@@ -106,9 +104,12 @@ def test_rows_that_are_done_leave_the_batch_and_the_rest_draw_what_they_would_ha
   assert int(free['row_steps']) == 8 * (TOKENS - 1)
   lengths = got['lengths']
   assert int(got['steps']) == max(lengths) and min(lengths) < max(lengths) / 4, lengths
-  # Each step runs at the narrowest width that holds the rows still drawing.
-  want_row_steps = sum(min(w for w in widths if w >= (lengths > step).sum())
-                       for step in range(1, int(got['steps'])))
+  # Each step runs every block at the narrowest width that holds its busiest block's rows
+  # still drawing.
+  widths = {1: (8, 2, 1), 4: (2, 1)}[shards]
+  want_row_steps = sum(
+      shards * min(w for w in widths if w >= (lengths > step).reshape(shards, -1).sum(1).max())
+      for step in range(1, int(got['steps'])))
   assert int(got['row_steps']) == want_row_steps < 8 * (int(got['steps']) - 1)
   for b in range(8):
     hits = np.flatnonzero(np.isin(free['tokens'][b], stops))

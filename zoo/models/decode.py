@@ -86,12 +86,23 @@ def token_logps(logits_BV: jax.Array, tokens_B: jax.Array, temperature: float) -
   return jnp.take_along_axis(logp_BV, tokens_B[:, None].astype(jnp.int32), axis=-1)[:, 0]
 
 
-def _take_rows(cache: dict, order_W: jax.Array) -> dict:
-  """The cache's keys and values of the rows `order_W` (their batch axis is the fourth
-  from last: after the layers' under nn.scan); write indices as they are."""
+def _narrow(x: jax.Array, axis: int, order_SM: jax.Array) -> jax.Array:
+  """x's rows (along `axis`, in `shards` consecutive blocks, one per batch shard) that
+  order_SM [shards, M] picks within each block: rows never cross shards (a gather across
+  them would assemble the whole batch on every device)."""
+  shards, narrower = order_SM.shape
+  x = x.reshape(x.shape[:axis] + (shards, -1) + x.shape[axis + 1:])
+  index = order_SM.reshape((1,) * axis + (shards, narrower) + (1,) * (x.ndim - axis - 2))
+  x = jnp.take_along_axis(x, index, axis=axis + 1)
+  return x.reshape(x.shape[:axis] + (shards * narrower,) + x.shape[axis + 2:])
+
+
+def _narrow_cache(cache: dict, order_SM: jax.Array) -> dict:
+  """The cache's keys and values narrowed (their batch axis is the fourth from last:
+  after the layers' under nn.scan); write indices as they are."""
   def take(path, x):
     if path[-1].key in ('key', 'value'):
-      return jnp.take(x, order_W, axis=x.ndim - 4)
+      return _narrow(x, x.ndim - 4, order_SM)
     return x
   return jax.tree_util.tree_map_with_path(take, cache)
 
@@ -99,16 +110,14 @@ def _take_rows(cache: dict, order_W: jax.Array) -> dict:
 NARROWING = 4  # Each narrower batch a quarter as wide: few loops to compile (one each).
 
 
-def narrowing(batch: int, shards: int = 1) -> list[int]:
-  """The widths a rollout's batch narrows through: each a quarter of the one before (else
-  a half), while it stays a multiple of `shards`."""
-  widths = [batch]
-  while True:
+def narrowing(rows: int) -> list[int]:
+  """The widths one shard's `rows` of a rollout narrow through: each a quarter of the one
+  before, else a half, down to 1."""
+  widths = [rows]
+  while widths[-1] % 2 == 0:
     width = widths[-1]
-    narrower = [width // f for f in (NARROWING, 2) if width % f == 0 and (width // f) % shards == 0]
-    if not narrower:
-      return widths
-    widths.append(narrower[0])
+    widths.append(width // NARROWING if width % NARROWING == 0 else width // 2)
+  return widths
 
 
 def rollout(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Array,
@@ -117,10 +126,10 @@ def rollout(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Ar
   """Completions of left-padded prompts (pad_B tokens of padding each) from a key/value
   cache: one prefill, then one token per step for every row until each row has drawn one
   of `stop_ids` (kept, as its last token) or `num_tokens` tokens; the loop ends when
-  every row is done. Rows that are done leave the batch: once the rows still drawing fit
-  a batch a quarter as wide (`narrowing`), they and their cache move into it, down to
-  `shards` rows (the batch's shards over the mesh: every width stays a multiple of it),
-  so a long tail costs only its own rows. Shapes are fixed by (batch, prompt length,
+  every row is done. Rows that are done leave the batch: the batch is `shards` blocks of
+  rows (its shards over the mesh), and once every block's rows still drawing fit a block a
+  quarter as wide (`narrowing`), they and their cache move into it, within their shard,
+  down to one row per shard, so a long tail costs only its own rows. Shapes are fixed by (batch, prompt length,
   num_tokens): one program for a whole run.
 
   Returns a dict of arrays: 'tokens' [B, N] (0 past a row's end), 'logps' [B, N] float32
@@ -128,8 +137,8 @@ def rollout(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Ar
   'mask' [B, N] int32 (1 on a row's completion, its stop token included), 'lengths' [B],
   'truncated' [B] bool (no stop id drawn: ran out of tokens), 'steps' (the tokens the
   loop drew per row, at most N) and 'row_steps' (rows x steps the model ran after the
-  prefill: B x (steps - 1) without narrowing). Token t of row b is drawn with key fold_in(rng, P + t)
-  and row b (choose), as generate_cached's, whatever width the batch has by then: without
+  prefill: B x (steps - 1) without narrowing). Token t of row b is drawn with key
+  fold_in(rng, P + t) and row b (choose), as generate_cached's, whatever width the batch has by then: without
   stop ids the tokens are generate_cached's, with them each row's are the same up to its
   stop."""
   batch, prompt_len = prompts_BP.shape
@@ -166,21 +175,26 @@ def rollout(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Ar
                                       positions_BL=positions_W1, start_B=pad_W, mutable=['cache'])
     return t + 1, draw(t, logits_W1V[:, 0], rows_W, drawn), state['cache'], rows_W, pad_W
 
-  widths = narrowing(batch, shards) if stop_ids else [batch]  # No stops: none end early.
+  # Each shard narrows its own rows (no stops: none end early, one width).
+  narrows = bool(stop_ids) and batch % shards == 0  # Else rows stay where they are.
+  shards = shards if narrows else 1
+  local = narrowing(batch // shards) if narrows else [batch]
   carry = (jnp.asarray(1, jnp.int32), drawn, state['cache'], rows_B, pad_B)
   row_steps = jnp.asarray(0, jnp.int32)
-  for width, narrower in zip(widths, widths[1:] + [0]):
-    if width < batch:  # The rows still drawing first, then done ones to fill the width.
-      _, drawn, cache, rows_W, pad_W = carry
-      order_W = jnp.argsort(drawn[2][rows_W], stable=True)[:width]
-      carry = (carry[0], drawn, _take_rows(cache, order_W), rows_W[order_W], pad_W[order_W])
+  for width, narrower in zip(local, local[1:] + [0]):
+    if width < local[0]:  # Each shard's rows still drawing first, then done ones to fill.
+      t, drawn, cache, rows_W, pad_W = carry
+      order_SM = jnp.argsort(drawn[2][rows_W].reshape(shards, -1), axis=1, stable=True)[:, :width]
+      carry = (t, drawn, _narrow_cache(cache, order_SM), _narrow(rows_W, 0, order_SM),
+               _narrow(pad_W, 0, order_SM))
 
     def cond(carry, narrower=narrower):
-      t, (_, _, done_B), *_ = carry
-      return (t < num_tokens) & ((~done_B).sum() > narrower)
+      t, (_, _, done_B), _, rows_W, _ = carry
+      drawing_S = (~done_B[rows_W]).reshape(shards, -1).sum(axis=1)
+      return (t < num_tokens) & (drawing_S.max() > narrower)
     start = carry[0]
     carry = jax.lax.while_loop(cond, body, carry)
-    row_steps += width * (carry[0] - start)
+    row_steps += shards * width * (carry[0] - start)
   steps, (tokens_BN, logps_BN, done_B) = carry[:2]
   # A row's tokens run to its stop id (included): the first one, or all N.
   stopped_BN = jnp.isin(tokens_BN, stops) & (jnp.arange(num_tokens) < steps)[None, :]
