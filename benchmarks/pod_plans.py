@@ -24,6 +24,12 @@ Three tables (and pod_plans.json):
   chip on v5p-64 at 8,192 tokens and v5litepod-256 at 2,048 (`--only=vocab`).
 - moe: Qwen3-30B-A3B shapes (routed experts) on v5p-64 at 2,048 tokens: the largest batch
   per chip with FSDP and with an expert axis, against MaxText's (`--only=moe`).
+- grpo: GRPO (experiments/grpo_sort.py's settings, rank-8 LoRA, beta 0.04: no reference
+  copy) on Llama-3-8B shapes (abstract parameters, FSDP, full remat, scanned layers,
+  splash, bf16) with 1,024 prompt + 1,024 completion tokens and 8 completions per prompt
+  on v5p-64: the largest number of prompts per step whose update and rollout (its
+  key/value cache, the optimizer state resident beside it) the compiler fits
+  (`--only=grpo`).
 """
 import argparse
 import json
@@ -235,6 +241,58 @@ def moe(out):
     _save_row(out, 'moe', row)
 
 
+def grpo_config():
+  """(config, target): GRPO on Llama-3-8B shapes at 1,024 + 1,024 tokens, v5p-64."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  from zoo.data import writer  # pylint: disable=import-outside-toplevel
+  from zoo.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  from zoo.parallel import sharding, topology  # pylint: disable=import-outside-toplevel
+  from zoo.run.config import load_experiment  # pylint: disable=import-outside-toplevel
+  target, prompt, completion, g = topology.parse('v5p-64'), 1024, 1024, 8
+  root = tempfile.mkdtemp(prefix='zoo-grpo-plan-')
+  model = {'name': 'transformer_lm', **LLAMA3_8B, 'max_len': prompt + completion,
+           'remat': 'full', 'scan_layers': True, 'attention': 'splash', 'dtype': 'bfloat16'}
+  os.makedirs(os.path.join(root, 'model'))
+  with open(os.path.join(root, 'model', 'config.json'), 'w', encoding='utf-8') as f:
+    json.dump({'model': model}, f)  # What zoo.convert import writes: the model's fields.
+  with open(os.path.join(root, 'prompts.jsonl'), 'w', encoding='utf-8') as f:
+    for i in range(64):  # Byte prompts of 1,100 characters: 1,024 tokens kept.
+      f.write(json.dumps({'prompt': ' '.join(str((i * 7 + j) % 10) for j in range(550)),
+                          'answer': ''}) + '\n')
+  tokenizer_lib.bytes_tokenizer().save(os.path.join(root, 'tokenizer.json'))
+  writer.run('prompts', writer.Options(inputs=(os.path.join(root, 'prompts.jsonl'),),
+                                       output=os.path.join(root, 'prompts'), val_fraction=0.25,
+                                       tokenizer=os.path.join(root, 'tokenizer.json')))
+  c = load_experiment(os.path.join(REPO, 'experiments', 'grpo_sort.py'),
+                      os.path.join(root, 'model') + ',lora')
+  c.data.path, c.data.seq_len = os.path.join(root, 'prompts'), prompt
+  c.grpo.max_completion_tokens, c.grpo.num_generations = completion, g
+  c.logical_axis_rules = sharding.fsdp_rules()
+  c.train.batch_size = c.eval.batch_size = target.chips * 2
+  return c, target
+
+
+def grpo(out):
+  """The largest GRPO step (prompts x 8 completions) on v5p-64 at 1,024 + 1,024 tokens."""
+  from zoo.run import plan  # pylint: disable=import-outside-toplevel
+  c, target = grpo_config()
+  g = c.grpo.num_generations
+  compiled = plan.make_plan(c, target=target)
+  c.train.batch_size = target.chips * 32  # The search starts here.
+  found = plan.max_batch(c, target=target)
+  row = {'target': 'v5p-64', 'model': 'Llama-3-8B shapes, LoRA rank 8', 'tokens': '1,024 + 1,024',
+         'completions_per_prompt': g,
+         'fits_at_2_per_chip': compiled['fits'],
+         'rollout_peak_gib_at_2_per_chip': round(compiled['totals'].get('rollout', 0) / 2**30, 2),
+         'train_peak_gib_at_2_per_chip': round(compiled['totals'].get('train', 0) / 2**30, 2),
+         'cache_gib_per_chip_at_2': round(compiled['rollout']['cache_per_device'] / 2**30, 2),
+         'rows_per_chip': found['batch_per_device'],
+         'prompts_per_step': found['global_batch'] // g,
+         'peak_gib': round((found['peak'] or 0) / 2**30, 2), 'compiles': found['compiles'],
+         'search_s': round(found['seconds']), 'other_refusals': found['other_refusals']}
+  _save_row(out, 'grpo', row)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--only', default='plans,cpu,maxtext')
@@ -255,11 +313,12 @@ def main():
   for section in args.only.split(','):
     if not args.resume:
       out.pop(section, None)
-    {'plans': plans, 'cpu': cpu, 'maxtext': maxtext, 'vocab': vocab, 'moe': moe}[section](out)
+    {'plans': plans, 'cpu': cpu, 'maxtext': maxtext, 'vocab': vocab, 'moe': moe,
+     'grpo': grpo}[section](out)
     with open(args.json, 'w', encoding='utf-8') as f:
       json.dump({k: v for k, v in out.items() if k != '_path'}, f, indent=2)
   import tables  # pylint: disable=import-outside-toplevel  # benchmarks/tables.py
-  for section in ('plans', 'cpu', 'maxtext', 'vocab', 'moe'):
+  for section in ('plans', 'cpu', 'maxtext', 'vocab', 'moe', 'grpo'):
     if out.get(section):
       tables.print_rows(section, out[section])
 
