@@ -12,9 +12,9 @@
   trainer's eval sample uses, and the fallback for samples longer than max_len.
 
 All draw token t of row b with the key fold_in(fold_in(rng, t), b) (t its position in the
-output), so given the same logits they pick the same tokens: greedily (temperature 0), or by sampling among
-the `top_k` likeliest and the smallest set of likeliest tokens whose probability reaches
-`top_p`. Jit them with the sampling settings static.
+output), so given the same logits they pick the same tokens: greedily (temperature 0), or
+by sampling among the `top_k` likeliest and the smallest set of likeliest tokens whose
+probability reaches `top_p`. Jit them with the sampling settings static.
 """
 from typing import Callable, Optional
 
@@ -123,24 +123,24 @@ def narrowing(rows: int) -> list[int]:
 def rollout(model: nn.Module, params: dict, prompts_BP: jax.Array, pad_B: jax.Array,
             num_tokens: int, rng: jax.Array, temperature: float = 1.0, top_k: int = 0,
             top_p: float = 1.0, stop_ids: tuple[int, ...] = (), shards: int = 1) -> dict:
-  """Completions of left-padded prompts (pad_B tokens of padding each) from a key/value
-  cache: one prefill, then one token per step for every row until each row has drawn one
-  of `stop_ids` (kept, as its last token) or `num_tokens` tokens; the loop ends when
-  every row is done. Rows that are done leave the batch: the batch is `shards` blocks of
-  rows (its shards over the mesh), and once every block's rows still drawing fit a block a
+  """Completions of left-padded prompts (pad_B tokens of padding each) from a key/value cache:
+  one prefill, then one token per step for every row until each row has drawn one of
+  `stop_ids` (kept, as its last token) or `num_tokens` tokens; the loop ends when every
+  row is done. Rows that are done leave the batch: the batch is `shards` blocks of rows
+  (its shards over the mesh), and once every block's rows still drawing fit a block a
   quarter as wide (`narrowing`), they and their cache move into it, within their shard,
-  down to one row per shard, so a long tail costs only its own rows. Shapes are fixed by (batch, prompt length,
-  num_tokens): one program for a whole run.
+  down to one row per shard, so a long tail costs only its own rows. Shapes are fixed by
+  (batch, prompt length, num_tokens): one program for a whole run.
 
   Returns a dict of arrays: 'tokens' [B, N] (0 past a row's end), 'logps' [B, N] float32
   (each drawn token's log-probability at `temperature`: token_logps; 0 past the end),
   'mask' [B, N] int32 (1 on a row's completion, its stop token included), 'lengths' [B],
-  'truncated' [B] bool (no stop id drawn: ran out of tokens), 'steps' (the tokens the
-  loop drew per row, at most N) and 'row_steps' (rows x steps the model ran after the
-  prefill: B x (steps - 1) without narrowing). Token t of row b is drawn with key
-  fold_in(rng, P + t) and row b (choose), as generate_cached's, whatever width the batch has by then: without
-  stop ids the tokens are generate_cached's, with them each row's are the same up to its
-  stop."""
+  'truncated' [B] bool (no stop id drawn: ran out of tokens), 'steps' (the tokens the loop
+  drew per row, at most N) and 'row_steps' (rows x steps the model ran after the prefill:
+  B x (steps - 1) without narrowing). Token t of row b is drawn with key fold_in(rng, P +
+  t) and row b (choose), as generate_cached's, whatever width the batch has by then:
+  without stop ids the tokens are generate_cached's, with them each row's are the same up
+  to its stop."""
   batch, prompt_len = prompts_BP.shape
   pad_B = jnp.asarray(pad_B)
   # The cache holds this call's tokens only: each step attends over prompt + budget slots,

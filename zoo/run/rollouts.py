@@ -5,14 +5,15 @@ Every `grpo.num_iterations` steps, the prompts of the step (train.batch_size /
 num_generations of them, the same on every process: a pure function of seed and step) are
 each completed num_generations times on the live, sharded parameters
 (zoo.models.decode.rollout: each row stops at the tokenizer's end token, done rows leave
-the batch down to one per batch shard, and the batch ends when every row is done), with the key fold_in(fold_in(key(seed), 2), step): a resumed run draws the
-same completions. Every process scores all completions with the reward functions
-(zoo.data.rewards), turns them into advantages (TRL 1.16's: the weighted sum of the
-functions' rewards, minus its group's mean, over the group's or the batch's standard
-deviation + 1e-4, or not scaled), and feeds its rows of the train batch (prompt +
-completion, left padding as segment 0). The old policy's log-probabilities (num_iterations
-> 1) and the reference's (beta > 0: the run's starting parameters, `checkpoint.init_from`'s
-or the seed's fresh ones; with LoRA the base, adapters off) come from one forward program.
+the batch down to one per batch shard, and the batch ends when every row is done), with
+the key fold_in(fold_in(key(seed), 2), step): a resumed run draws the same completions.
+Every process scores all completions with the reward functions (zoo.data.rewards), turns
+them into advantages (TRL 1.16's: the weighted sum of the functions' rewards, minus its
+group's mean, over the group's or the batch's standard deviation + 1e-4, or not scaled),
+and feeds its rows of the train batch (prompt + completion, left padding as segment 0).
+The old policy's log-probabilities (num_iterations > 1) and the reference's (beta > 0: the
+run's starting parameters, `checkpoint.init_from`'s or the seed's fresh ones; with LoRA
+the base, adapters off) come from one forward program.
 
 Evaluation completes every held-out prompt twice, sampled at the training temperature and
 greedily, and reports the mean reward of each function for both.
@@ -105,8 +106,8 @@ def abstract_inputs(setup: setup_lib.Setup) -> tuple:
   (train.batch_size rows: num_generations of each prompt) and its temperature."""
   rows, width = setup.batch['inputs'].shape
   length = width + 1 - setup.config.grpo.max_completion_tokens  # Prompt + completion - 1.
-  return (jax.ShapeDtypeStruct((rows, length), jnp.int32), jax.ShapeDtypeStruct((rows,), jnp.int32),
-          jax.eval_shape(lambda: jax.random.key(0)), setup.task.temperature)
+  return (jax.ShapeDtypeStruct((rows, length), jnp.int32),
+          jax.ShapeDtypeStruct((rows,), jnp.int32), jax.eval_shape(lambda: jax.random.key(0)), setup.task.temperature)
 
 
 def holds_reference(setup: setup_lib.Setup) -> bool:
