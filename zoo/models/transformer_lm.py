@@ -71,8 +71,8 @@ class TransformerLM(transformer.Transformer, kw_only=True):
     likeliest token and (`entropy`) the entropy it is drawn from, at `temperature`, computed
     `loss_chunks` at a time (layers.token_losses), and with
     routed experts their weighted router losses ('aux_loss') and figures ('aux_metrics').
-    `last`: the last position's logits only, [B, 1, V] (a prefill: all a sampler reads; a
-    prompt's logits over a large vocabulary are the largest array a rollout would hold)."""
+    `last`: the last position's logits only, [B, 1, V] (a prefill: all a sampler reads;
+    the other positions' are never computed, whatever the compiler would have dropped)."""
     embed_VD = layers.embedding_table(self, self.vocab_size, self.d_model, self.dtype)
     x_BLD = transformer.embed_tokens(self, embed_VD, tokens_BL)
     if self.embed_scale:  # Gemma: sqrt(d_model), in the computation dtype as HF rounds it.

@@ -109,6 +109,11 @@ def batch_mesh_axes(rules: Sequence) -> tuple:
   return mesh_axes_of(nn.logical_to_mesh_axes(('act_batch',), rules_tuple(rules))[0])
 
 
+def batch_shards(mesh: jax.sharding.Mesh, rules: Sequence) -> int:
+  """How many blocks the rules split a batch's rows into on `mesh`."""
+  return math.prod(mesh.shape[a] for a in batch_mesh_axes(rules))
+
+
 def fit_rules(logical_params: Any, mesh: jax.sharding.Mesh, rules: Sequence) -> tuple:
   """`rules`, with every logical axis that some parameter cannot split over `mesh` (its
   dimension does not divide) replicated instead: how a model whose sizes were chosen

@@ -126,7 +126,7 @@ def _rollout_held(setup: setup_lib.Setup, state: Any) -> dict:
   leaves = [x for path, x in jax.tree_util.tree_leaves_with_path(cache)
             if path[-1].key in ('key', 'value')]
   total = sum(x.size * x.dtype.itemsize for x in leaves)
-  shards = math.prod(setup.mesh.shape[a] for a in sharding.batch_mesh_axes(setup.rules))
+  shards = sharding.batch_shards(setup.mesh, setup.rules)
   grouped = setup.model.kv_heads != setup.model.num_heads
   head_rule = 'act_kv_heads' if grouped else 'act_heads'
   head_axes = next((axes for name, axes in setup.rules if name == head_rule), None)
@@ -433,7 +433,7 @@ def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   if limit is None:
     raise ConfigError('--max_batch: this backend has no memory limit to search against; give '
                       '--device_memory_gib or a --topology')
-  shards = setup.mesh.size // (setup.batch_sharding.shard_shape((setup.mesh.size,))[0] or 1)
+  shards = sharding.batch_shards(setup.mesh, setup.rules)
   step = config.train.microbatches * shards // math.gcd(config.train.microbatches * shards,
                                                         setup.mesh.size)
   if setup.task.name == 'grpo':  # Whole groups of num_generations completions.

@@ -18,7 +18,6 @@ the base, adapters off) come from one forward program.
 Evaluation completes every held-out prompt twice, sampled at the training temperature and
 greedily, and reports the mean reward of each function for both.
 """
-import math
 import time
 from typing import Any, Optional
 
@@ -88,7 +87,7 @@ def program(setup: setup_lib.Setup) -> Any:
   rows leaving the batch down to one per shard."""
   config, mesh = setup.config, setup.mesh
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  shards = math.prod(mesh.shape[a] for a in sharding.batch_mesh_axes(setup.rules))
+  shards = sharding.batch_shards(mesh, setup.rules)
 
   def generate(params, prompts, pad, rng, temperature):
     prompts = jax.lax.with_sharding_constraint(prompts, setup.batch_sharding)

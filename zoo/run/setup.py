@@ -172,7 +172,7 @@ def placed(config: ml_collections.ConfigDict, dataset: Dataset, mesh_shape: str 
   if replicated:
     logging.info('replicating %s: the parameters do not split over mesh %s', replicated,
                  dict(mesh.shape))
-  if rows is not None and rows % math.prod(mesh.shape[a] for a in sharding.batch_mesh_axes(rules)):
+  if rows is not None and rows % sharding.batch_shards(mesh, rules):
     rules = tuple((name, None if name == 'act_batch' else axis) for name, axis in rules)
   return build(config, dataset, mesh=mesh, rules=rules)
 
