@@ -53,3 +53,24 @@ def test_text_targets_are_inputs_shifted_by_one():
   batch = _load('text').train_batch(0, 4, slice(None))
   np.testing.assert_array_equal(batch['inputs'][:, 1:], batch['targets'][:, :-1])
   assert batch['inputs'].shape == (4, 16)
+
+
+def test_digits_are_scikit_learns_read_without_importing_it(monkeypatch):
+  """The digits file scikit-learn ships, read as its load_digits reads it, equals
+  load_digits (also where the file is missing and load_digits reads it), and a run's
+  process loading them imports no scikit-learn (a second of start-up)."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from sklearn.datasets import load_digits  # pylint: disable=import-outside-toplevel
+  from zoo.data import digits  # pylint: disable=import-outside-toplevel
+  want = load_digits()
+  for found in (True, False):
+    if not found:
+      monkeypatch.setattr(digits.importlib.util, 'find_spec', lambda name: None)
+    images, target = digits._digits()  # pylint: disable=protected-access
+    np.testing.assert_array_equal(images, want.images)
+    np.testing.assert_array_equal(target, want.target)
+  probe = ('import sys; from zoo.data import digits; digits.load(None, 0); '
+           'print("sklearn" in sys.modules)')
+  assert subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True,
+                        check=True, timeout=60).stdout.strip() == 'False'

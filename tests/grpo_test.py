@@ -213,45 +213,12 @@ def test_the_loss_and_figures_are_the_same_on_every_mesh(qwen, devices):
     assert row == pytest.approx(rows[0], rel=1e-5, abs=1e-6)
 
 
-# Rewards for the runs below, named 'grpo_test:<function>' in their configs.
-def low_ids(completion_ids, **unused):
-  """The fraction of a completion's tokens below 128 (a random model's: about half)."""
-  del unused
-  return [float(np.mean(np.asarray(ids) < 128)) if len(ids) else 0.0 for ids in completion_ids]
-
-
-def shuffled_low_ids(prompts, completion_ids, **unused):
-  """low_ids shuffled among the batch's completions: unrelated to each completion."""
-  del unused
-  values = low_ids(completion_ids)
-  order = np.random.default_rng(len(prompts) + sum(map(len, completion_ids))).permutation(
-      len(values))
-  return [values[i] for i in order]
-
-
-def raises(completions, **unused):
-  del unused
-  if any('7' in c for c in completions):
-    raise RuntimeError('no sevens')
-  return [0.0] * len(completions)
-
-
-def nan(completions, **unused):
-  del unused
-  return [float('nan')] + [0.0] * (len(completions) - 1)
-
-
-def short(completions, **unused):
-  del unused
-  return [0.0] * (len(completions) - 1)
-
-
 def _run_config(qwen, reward, variant=',smoke', **overrides):
-  return _config(qwen, variant, **{'grpo.rewards': (f'grpo_test:{reward}',), 'grpo.reward_weights': (),
-                          'grpo.beta': 0.05,
-                          'grpo.max_completion_tokens': N, 'train.steps': 12,
-                          'optimizer.learning_rate': 3e-2, 'optimizer.warmup_steps': 0,
-                          'eval.every_steps': 12, 'checkpoint.every_steps': 4, **overrides})
+  return _config(qwen, variant, **{
+      'grpo.rewards': (f'grpo_rewards:{reward}',), 'grpo.reward_weights': (), 'grpo.beta': 0.05,
+      'grpo.max_completion_tokens': N, 'train.steps': 12, 'optimizer.learning_rate': 3e-2,
+      'optimizer.warmup_steps': 0, 'eval.every_steps': 12, 'checkpoint.every_steps': 4,
+      **overrides})
 
 
 @pytest.fixture(scope='module')
@@ -331,10 +298,10 @@ def test_a_lora_run_exports_a_peft_adapter_that_peft_loads_with_zoos_logits(qwen
 
 
 @pytest.mark.parametrize('reward, message', [
-    ('raises', r"reward grpo_test:raises raised RuntimeError: no sevens \(on the completion "
+    ('raises', r"reward grpo_rewards:raises raised RuntimeError: no sevens \(on the completion "
                r"'.*7.*' of prompt 'sort"),
-    ('nan', r"reward grpo_test:nan returned nan for the completion '.*' of prompt 'sort"),
-    ('short', r'reward grpo_test:short returned 15 values for 16 completions'),
+    ('nan', r"reward grpo_rewards:nan returned nan for the completion '.*' of prompt 'sort"),
+    ('short', r'reward grpo_rewards:short returned 15 values for 16 completions'),
 ])
 def test_a_failing_reward_ends_the_run_in_one_line_naming_it_and_the_prompt(
     qwen, tmp_path, reward, message, devices):
@@ -370,7 +337,7 @@ def test_two_processes_sample_score_and_train_as_one(qwen, learned, tmp_path):
   from data_multihost_test import _close  # pylint: disable=import-outside-toplevel
   config = _run_config(qwen, 'low_ids')
   flags = {'data.path': qwen['data'], 'mesh.shape': '(4,2)', 'train.log_every_steps': 1,
-           'checkpoint.async_save': False, 'grpo.rewards': "('grpo_test:low_ids',)",
+           'checkpoint.async_save': False, 'grpo.rewards': "('grpo_rewards:low_ids',)",
            'grpo.reward_weights': '()', **{f'{group}.{key}': config[group][key] for group, key in (
                ('grpo', 'beta'), ('grpo', 'max_completion_tokens'), ('train', 'steps'),
                ('optimizer', 'learning_rate'), ('optimizer', 'warmup_steps'),

@@ -1,5 +1,6 @@
 """The cloud launchers cannot run here: their dry-run output is checked instead."""
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -8,7 +9,9 @@ import pytest
 
 from conftest import REPO, cli_env
 
-ZOO_ARGS = ['--config=experiments/char_lm.py', '--workdir=/mnt/runs/lm', '--config.mesh.shape=(-1, 4)']
+# A run that fits (smoke: the TPU compiler plans it in 4 s instead of char_lm's 10).
+ZOO_ARGS = ['--config=experiments/char_lm.py:smoke', '--workdir=/mnt/runs/lm',
+            '--config.mesh.shape=(-1, 4)']
 
 
 def _run(script, *args):
@@ -37,7 +40,11 @@ def test_tpu_pod_dry_run_deploys_and_runs_on_every_worker():
 
 def test_tpu_pod_refuses_a_run_the_slice_cannot_fit_before_touching_a_vm():
   """The plan runs here first, for the slice (the test above passed one that fits); a config
-  the TPU compiler refuses stops the launcher before any command, with its figures."""
+  the TPU compiler refuses stops the launcher before any command, with its figures. The
+  plan (zoo.main --dry_run, its output on the launcher's stderr) is char_lm:1b
+  data-parallel on v5litepod-16: the TPU compiler's own out-of-memory verdict, one line
+  with the figures and what to change, exit 1 (topology_test's plans, without a second
+  compile of this step)."""
   pytest.importorskip('libtpu')
   env = cli_env()
   refused = subprocess.run([sys.executable, 'launch/tpu_pod.py', '--tpu=pod',
@@ -46,9 +53,16 @@ def test_tpu_pod_refuses_a_run_the_slice_cannot_fit_before_touching_a_vm():
                             '--config.mesh.shape=(16,1)'], cwd=REPO, env=env, capture_output=True,
                            text=True, check=False)
   assert refused.returncode == 1 and not refused.stdout  # No command was printed or run.
-  assert 'GiB per device that v5litepod-16 allows (the TPU compiler' in refused.stderr
-  assert refused.stderr.strip().splitlines()[-1] == (
-      'zoo: error: tpu_pod.py: the plan for v5litepod-16 failed (above); no VM was touched')
+  assert re.search(r'DOES NOT FIT: the compiler refused the train step, which needs [0-9.]+ GiB '
+                   r"per device of 15.75 GiB per device \(the TPU compiler's usable HBM\)",
+                   refused.stderr), refused.stderr[-2000:]
+  *_, plan, last = refused.stderr.strip().splitlines()
+  assert re.fullmatch(r"zoo: the train step needs [0-9.]+ GiB per device, more than the 15\.75 "
+                      r"GiB per device that v5litepod-16 allows \(the TPU compiler's usable HBM\); "
+                      r'shard more \(mesh, rules: fsdp_rules\), .*model\.attention=splash.*',
+                      plan), plan
+  assert float(re.search(r'needs ([0-9.]+) GiB', plan).group(1)) > 15.75
+  assert last == 'zoo: error: tpu_pod.py: the plan for v5litepod-16 failed (above); no VM was touched'
 
 
 def test_slurm_dry_run_one_process_per_gpu():

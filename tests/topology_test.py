@@ -162,23 +162,8 @@ def test_dry_run_compiles_for_a_pod_and_shows_its_hosts():
   assert 'TPU_ACCELERATOR_TYPE' not in result.stderr and 'libtpu' not in result.stderr
 
 
-@needs_libtpu
-def test_a_step_the_compiler_refuses_exits_with_its_figures():
-  """char_lm:1b data-parallel on v5litepod-16: the TPU compiler's own out-of-memory verdict,
-  one line with the figures and what to change, exit 1."""
-  result = _dry_run(f'--config={experiment("char_lm")}:1b', '--topology=v5litepod-16',
-                    '--config.mesh.shape=(16,1)')
-  assert result.returncode == 1, result.stderr[-3000:]
-  assert re.search(r'DOES NOT FIT: the compiler refused the train step, which needs [0-9.]+ GiB '
-                   r"per device of 15.75 GiB per device \(the TPU compiler's usable HBM\)",
-                   result.stdout), result.stdout[-2000:]
-  last = result.stderr.strip().splitlines()[-1]
-  assert re.fullmatch(r"zoo: the train step needs [0-9.]+ GiB per device, more than the 15\.75 "
-                      r"GiB per device that v5litepod-16 allows \(the TPU compiler's usable HBM\); "
-                      r'shard more \(mesh, rules: fsdp_rules\), .*model\.attention=splash.*',
-                      last), last
-  needed = float(re.search(r'needs ([0-9.]+) GiB', last).group(1))
-  assert needed > 15.75
+# A step the TPU compiler refuses (its verdict, figures and exit): launch_test's
+# test_tpu_pod_refuses_a_run_the_slice_cannot_fit_before_touching_a_vm, through the launcher.
 
 
 @needs_libtpu
