@@ -133,6 +133,22 @@ def test_a_rolling_window_longer_than_max_len_scores_as_the_hf_model_does(settin
   assert model.max_length == 32 and got == pytest.approx(want, abs=1e-4) and got < -100
 
 
+def test_a_batch_size_that_does_not_divide_the_batch_shards_scores_alike(setting, devices):
+  """--batch_size 3 on a mesh of 2 batch shards: the rows are not split over the mesh
+  (setup.placed), and the scores equal those of 2 rows split over it."""
+  del devices
+  from zoo.parallel import sharding  # pylint: disable=import-outside-toplevel
+  from zoo.run import harness  # pylint: disable=import-outside-toplevel
+  requests = [type('Request', (), {'args': (text,)})() for text in
+              ('The sky is blue.', 'def f(x):\n    return x', 'abc' * 5)]
+  scores = {}
+  for rows in (3, 2):
+    model = harness.ZooLM(setting['zoo'], batch_size=rows, mesh_shape='2,4')
+    assert sharding.batch_shards(model.setup.mesh, model.setup.rules) == (1 if rows == 3 else 2)
+    scores[rows] = model.loglikelihood_rolling(requests)
+  assert scores[3] == pytest.approx(scores[2], abs=1e-5)
+
+
 def test_local_tasks_are_found_without_indexing_the_harness_own(setting, monkeypatch):
   """Tasks that --include_path defines are looked up there alone (the harness's own 15k task
   files take seconds to index); a name it lacks gets the full index."""

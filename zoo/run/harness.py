@@ -15,7 +15,6 @@ Needs the `eval` extra (`pip install -e '.[eval]'`): lm-eval is not a core depen
 """
 import functools
 import json
-import math
 import os
 from typing import Any, Optional
 
@@ -72,10 +71,7 @@ class ZooLM(TemplateLM):
       raise ConfigError(f'--batch_size: {batch_size} rows of {setup.model.max_len} tokens need '
                         f'{batch_size * row_bytes / 2**30:.1f} GiB of host memory, more than half '
                         f'the {host / 2**30:.1f} GiB free; give fewer')
-    axes = setup.batch_sharding.spec[0] if setup.batch_sharding.spec else None
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    shards = math.prod(setup.mesh.shape[a] for a in axes)
-    self.batch_size = -(-batch_size // shards) * shards  # Rows divide over the batch shards.
+    self.batch_size = batch_size  # placed() splits the rows over the mesh only if they divide.
     with setup.scope():
       self.params, step, _ = checkpoint.restore_params(
           directory, setup.abstract_state().params, field='--workdir')

@@ -106,7 +106,8 @@ def abstract_inputs(setup: setup_lib.Setup) -> tuple:
   rows, width = setup.batch['inputs'].shape
   length = width + 1 - setup.config.grpo.max_completion_tokens  # Prompt + completion - 1.
   return (jax.ShapeDtypeStruct((rows, length), jnp.int32),
-          jax.ShapeDtypeStruct((rows,), jnp.int32), jax.eval_shape(lambda: jax.random.key(0)), setup.task.temperature)
+          jax.ShapeDtypeStruct((rows,), jnp.int32), jax.eval_shape(lambda: jax.random.key(0)),
+          setup.task.temperature)
 
 
 def holds_reference(setup: setup_lib.Setup) -> bool:
