@@ -78,7 +78,9 @@ def test_batches_are_a_function_of_seed_step_and_row_with_any_workers(dataset_di
 def test_trains_to_the_in_memory_accuracy_and_resumes_exactly(dataset_dir, tmp_path, monkeypatch,
                                                              devices):
   """The smoke CNN on the records (2 decoding workers) and on the in-memory digits; a run
-  stopped mid-epoch (an epoch is 11 steps of 128) resumes bit-identically."""
+  stopped mid-epoch (an epoch is 11 steps of 128) resumes bit-identically. The stopped run
+  decodes in the loop, its continuation in 2 workers that start at the resumed step: the
+  straight run's batches either way."""
   del devices
   overrides = {'train.log_every_steps': 1, 'data.workers': 2}
   train.train_and_evaluate(_config(dataset_dir, **overrides), str(tmp_path / 'straight'))
@@ -87,7 +89,8 @@ def test_trains_to_the_in_memory_accuracy_and_resumes_exactly(dataset_dir, tmp_p
   files, memory = (read_metrics(str(tmp_path / d))[-1] for d in ('straight', 'memory'))
   assert files['eval/accuracy'] > 0.7 and abs(files['eval/accuracy'] - memory['eval/accuracy']) < 0.1
   stop_at(monkeypatch, 16)
-  train.train_and_evaluate(_config(dataset_dir, **overrides), str(tmp_path / 'resumed'))
+  train.train_and_evaluate(_config(dataset_dir, **{**overrides, 'data.workers': 0}),
+                           str(tmp_path / 'resumed'))
   monkeypatch.undo()
   train.train_and_evaluate(_config(dataset_dir, **overrides), str(tmp_path / 'resumed'))
   rows = lambda d: [{k: v for k, v in r.items() if not k.startswith('perf/')}
