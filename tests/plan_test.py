@@ -37,10 +37,14 @@ def test_plan_matches_the_compiled_step_and_the_real_state(name, devices):
   # The step's arguments are exactly the state and the batch.
   assert sum(held.values()) == p['compiled_memory']['arguments']
   assert p['step_cost']['model_flops'] > 0 and p['fits'] is None
-  # The verdict: a budget a byte above the peak fits, a byte below does not.
-  for extra, fits in ((1, True), (-1, False)):
-    verdict = plan.make_plan(load_config(name, **overrides), (peak + extra) / 2**30)
-    assert verdict['fits'] is fits and verdict['device_memory_bytes'] == peak + extra
+  # The verdict: a budget a byte above the peak fits, a byte below does not (the budget
+  # given to make_plan, as --dry_run --device_memory_gib does; then the same plan judged).
+  verdict = plan.make_plan(load_config(name, **overrides), (peak - 1) / 2**30)
+  assert verdict['fits'] is False and verdict['device_memory_bytes'] == peak - 1
+  assert {**verdict, 'device_memory_bytes': None, 'fits': None, 'compile_s': 0,
+          'eval_compile_s': 0} == {**p, 'compile_s': 0, 'eval_compile_s': 0}
+  verdict = plan.judged(p, (peak + 1) / 2**30)
+  assert verdict['fits'] is True and verdict['device_memory_bytes'] == peak + 1
 
 
 def test_collectives_follow_the_rules(devices):

@@ -188,22 +188,15 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
     full.model.lora.rank = 0
     held['optimizer_full_fine_tune'] = sharding.per_device_bytes(setup_lib.build(
         full, setup.dataset, mesh=setup.mesh, rules=setup.rules).abstract_state().opt_state)
-  budget = device_memory_gib * 2**30 if device_memory_gib else None
-  if budget and train.memory is None and not train.refusal:
-    raise ConfigError('--device_memory_gib: this backend gives no memory analysis of the '
-                      'compiled step, so the budget cannot be checked; drop the flag')
   usable, usable_source = _usable(target, devices[0] if target else jax.local_devices()[0])
-  limit = min(x for x in (budget, usable) if x) if (budget or usable) else None
   programs = {'train': train, 'eval': evaluate}
   if rollout is not None:
     programs['rollout'] = rollout
   totals = {name: c.memory['peak'] + _resident(name, held)
             for name, c in programs.items() if c.memory}
   refused = next((name for name, c in programs.items() if c.refusal), None)
-  fits = False if refused else None if limit is None else all(
-      total <= limit for total in totals.values())
   rows = feed.rows_by_process(setup.batch_sharding, config.train.batch_size)
-  return {
+  return judged({
       'target': target.name if target else None,
       'mesh': dict(setup.mesh.shape), 'devices': setup.mesh.size,
       'platform': platform, 'device_kind': devices[0].device_kind,
@@ -214,9 +207,7 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
       'loss': _loss_held(setup), 'experts': _experts_held(setup),
       'compiled_memory': train.memory, 'eval_memory': evaluate.memory,
       'rollout': dict(rollout_held, memory=rollout.memory) if rollout is not None else None,
-      'totals': totals,
-      'device_memory_bytes': budget, 'usable_bytes': usable, 'usable_source': usable_source,
-      'fits': fits,
+      'totals': totals, 'usable_bytes': usable, 'usable_source': usable_source,
       'refusal': {'step': refused, 'message': programs[refused].refusal,
                   'needed': programs[refused].needed and
                             programs[refused].needed + _resident(refused, held)}
@@ -224,7 +215,23 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
       'step_cost': perf.step_cost(setup, state, train.program),
       'compile_s': train.seconds, 'eval_compile_s': evaluate.seconds,
       'collectives': hlo.collectives(train.program.as_text(), setup.mesh) if train.program else [],
-  }
+  }, device_memory_gib)
+
+
+def judged(p: dict, device_memory_gib: float = 0.0) -> dict:
+  """The plan `p` with its verdict against `device_memory_gib` (0: none) and the devices'
+  usable memory: 'device_memory_bytes', and 'fits' (False where a program was refused or a
+  total passes the smaller limit; None where there is no limit)."""
+  budget = device_memory_gib * 2**30 if device_memory_gib else None
+  train_refused = p['refusal'] is not None and p['refusal']['step'] == 'train'
+  if budget and p['compiled_memory'] is None and not train_refused:
+    raise ConfigError('--device_memory_gib: this backend gives no memory analysis of the '
+                      'compiled step, so the budget cannot be checked; drop the flag')
+  usable = p['usable_bytes']
+  limit = min(x for x in (budget, usable) if x) if (budget or usable) else None
+  fits = False if p['refusal'] else None if limit is None else all(
+      total <= limit for total in p['totals'].values())
+  return {**p, 'device_memory_bytes': budget, 'fits': fits}
 
 
 def _mib(n):
