@@ -4,7 +4,8 @@ loss, its figures and the gradients equal TRL 1.16's own `GRPOTrainer._compute_l
 every aggregation, on-policy and with old log-probabilities that make the clip bite, at a
 temperature other than 1 and with beta > 0, and the advantages its formula; the loss is
 the same on every mesh; a run learns where the reward says and not where it is shuffled;
-a stopped run resumes as if never stopped; bad rewards and budgets are one line."""
+a stopped run resumes on 2 processes and another mesh as if never stopped; bad rewards and
+budgets are one line."""
 import json
 import os
 import pathlib
