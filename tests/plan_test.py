@@ -47,6 +47,23 @@ def test_plan_matches_the_compiled_step_and_the_real_state(name, devices):
   assert verdict['fits'] is True and verdict['device_memory_bytes'] == peak + 1
 
 
+def test_the_verdict_takes_the_smaller_of_the_budget_and_the_usable_memory():
+  """A plan is judged against --device_memory_gib and what the devices allow (a TPU
+  target's usable HBM, a GPU's), whichever is smaller; with neither, there is no verdict."""
+  gib = 2**30
+  p = {'refusal': None, 'compiled_memory': {'peak': 5 * gib}, 'totals': {'train': 5 * gib,
+       'eval': 3 * gib}, 'usable_bytes': 10 * gib, 'usable_source': "the TPU compiler's usable HBM"}
+  assert plan.judged(p)['fits'] is True
+  assert plan.judged(p, 6)['fits'] is True
+  assert plan.judged(p, 4)['fits'] is False  # The budget is the smaller limit.
+  assert plan.verdict(plan.judged(p, 4)) == 'DOES NOT FIT in 4.00 GiB per device'
+  usable = {**p, 'usable_bytes': 4 * gib}
+  assert plan.judged(usable, 6)['fits'] is False  # The usable memory is.
+  assert plan.verdict(plan.judged(usable, 6)) == (
+      "DOES NOT FIT in 4.00 GiB per device (the TPU compiler's usable HBM)")
+  assert plan.judged({**p, 'usable_bytes': None})['fits'] is None
+
+
 def test_collectives_follow_the_rules(devices):
   """Standard rules: activations all-reduced over 'model' (Megatron), gradients over
   'batch', nothing gathered. FSDP: parameters all-gathered over 'batch'."""

@@ -227,11 +227,16 @@ def judged(p: dict, device_memory_gib: float = 0.0) -> dict:
   if budget and p['compiled_memory'] is None and not train_refused:
     raise ConfigError('--device_memory_gib: this backend gives no memory analysis of the '
                       'compiled step, so the budget cannot be checked; drop the flag')
-  usable = p['usable_bytes']
-  limit = min(x for x in (budget, usable) if x) if (budget or usable) else None
+  limit = _limit(budget, p['usable_bytes'])
   fits = False if p['refusal'] else None if limit is None else all(
       total <= limit for total in p['totals'].values())
   return {**p, 'device_memory_bytes': budget, 'fits': fits}
+
+
+def _limit(*sizes: Optional[float]) -> Optional[float]:
+  """The smallest of the memory limits given (bytes; None or 0: not given), or None."""
+  given = [x for x in sizes if x]
+  return min(given) if given else None
 
 
 def _mib(n):
@@ -342,8 +347,7 @@ def _attention_lines(p: dict) -> list[str]:
 
 def verdict(p: dict) -> str:
   """'fits in ...', 'DOES NOT FIT in ...', or '' where nothing was checked."""
-  limit = min(x for x in (p['device_memory_bytes'], p['usable_bytes']) if x) \
-      if (p['device_memory_bytes'] or p['usable_bytes']) else None
+  limit = _limit(p['device_memory_bytes'], p['usable_bytes'])
   where = (f'{_mib(limit)} per device' + (f' ({p["usable_source"]})'
                                           if limit == p['usable_bytes'] else '')) if limit else ''
   if p['refusal']:
@@ -393,7 +397,7 @@ def refusal_line(p: dict, device_memory_gib: float = 0.0) -> str:
   if refusal and refusal['needed'] is None:
     return (f'zoo: the {p["platform"].upper()} compiler refused the {refusal["step"]} step: '
             f'{refusal["message"]}')
-  limit = min(x for x in (p['device_memory_bytes'], p['usable_bytes']) if x)
+  limit = _limit(p['device_memory_bytes'], p['usable_bytes'])
   step = refusal['step'] if refusal else next(
       name for name, total in p['totals'].items() if total > limit)
   needed = refusal['needed'] if refusal else p['totals'][step]
@@ -435,8 +439,7 @@ def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   cfg.validate(config, len(devices))
   setup = setup_lib.checked(config, devices, plan=True)
   usable = _usable(target, devices[0] if target else jax.local_devices()[0])[0]
-  limit = min(x for x in (device_memory_gib * 2**30, usable) if x) if (
-      device_memory_gib or usable) else None
+  limit = _limit(device_memory_gib * 2**30, usable)
   if limit is None:
     raise ConfigError('--max_batch: this backend has no memory limit to search against; give '
                       '--device_memory_gib or a --topology')
