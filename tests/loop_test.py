@@ -1,7 +1,9 @@
 """The train loop waits on the devices only to log, evaluate or save; batches are prefetched."""
+import functools
 import os
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from conftest import load_config, read_metrics, trainer
 from zoo.data import feed
 from zoo.errors import NonFiniteError
+from zoo.run import setup as setup_lib
 from zoo.run import steps, train
 
 
@@ -162,3 +165,57 @@ def test_each_new_program_runs_alone_at_first():
   for rows in (4, 4, 8, 4, 8):
     step(np.float32(1), {'x': np.zeros(rows, np.float32)})
   assert len(entered) == 2
+
+
+def test_a_second_run_of_the_same_build_lowers_nothing_and_another_config_its_own(
+    tmp_path, devices):
+  """Running a config again in the same process (a resume, a notebook's next call) reuses
+  the first run's programs (setup.build keeps them): nothing is lowered again, and the same
+  figures come out. A config that differs in anything (here the learning rate, which the
+  train step computes) gets programs of its own: it trains at its own rate."""
+  del devices
+  lowered = []
+  listen = lambda event, secs, **kw: lowered.append(event) if 'mlir_module' in event else None
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  figures = lambda run: [{k: v for k, v in r.items() if not k.startswith('perf/')}
+                         for r in read_metrics(tmp_path / run)]
+  try:
+    config = load_config('char_lm', **{'train.steps': 4, 'eval.every_steps': 4,
+                                       'train.log_every_steps': 2, 'optimizer.warmup_steps': 0,
+                                       'optimizer.schedule': 'constant'})
+    train.train_and_evaluate(config, str(tmp_path / 'first'))
+    del lowered[:]
+    train.train_and_evaluate(config, str(tmp_path / 'again'))
+    assert not lowered
+    assert figures('again') == figures('first')
+    config.optimizer.learning_rate *= 2
+    train.train_and_evaluate(config, str(tmp_path / 'faster'))
+    assert lowered
+    rates = {r['train/learning_rate'] for r in read_metrics(tmp_path / 'faster')
+             if 'train/learning_rate' in r}
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert len(rates) == 1 and rates.pop() == pytest.approx(config.optimizer.learning_rate)
+
+
+def test_setup_jit_keeps_one_program_per_function_and_bound_values():
+  """Setup.jit's key: the function, numbers, strings and shardings by value, bound methods
+  by their object, anything else by identity."""
+  holder = types.SimpleNamespace(programs={})
+  jit = functools.partial(setup_lib.Setup.jit, holder)
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  first = jit(np.add, 1, out_shardings=sharding)
+  assert jit(np.add, 1, out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0])) is first
+  assert jit(np.add, 2, out_shardings=sharding) is not first
+  assert jit(np.subtract, 1, out_shardings=sharding) is not first
+  assert jit(np.add, 1) is not first
+
+  class Model:
+    def apply(self, x):
+      return x
+  one, other = Model(), Model()
+  assert jit(steps.score_step, apply_fn=one.apply) is jit(steps.score_step, apply_fn=one.apply)
+  assert jit(steps.score_step, apply_fn=one.apply) is not jit(steps.score_step,
+                                                              apply_fn=other.apply)
+  table = [1]
+  assert jit(np.add, table) is not jit(np.add, [1])  # A list: by identity.

@@ -62,6 +62,11 @@ def recording() -> Iterator[dict]:
     _record = outer
 
 
+def is_recording() -> bool:
+  """Whether a `recording()` is open: programs traced now must be traced afresh."""
+  return _record is not None
+
+
 def _ran(path: str, requested: str, kernel: str, why: str = '') -> None:
   """Records what a layer ran: `kernel`, or XLA's attention where `why` says it could not
   (logged once per layer and reason)."""

@@ -8,7 +8,6 @@ pair with it before its first step, in batches of eval.batch_size over the mesh,
 process 0 writes the tables to the workdir (`reference.json`, complete or absent); a
 resumed run reads them back, so it carries the same figures on any mesh or process count.
 """
-import functools
 import json
 import math
 import time
@@ -36,9 +35,9 @@ def _score(params, batch, apply_fn):
 def compute(setup: setup_lib.Setup, params) -> dict:
   """{split: [N, 2] float32}: the dataset's examples scored by the model with `params`."""
   replicated = jax.sharding.NamedSharding(setup.mesh, jax.sharding.PartitionSpec())
-  score = jax.jit(functools.partial(_score, apply_fn=setup.model.apply),
-                  in_shardings=(setup.state_shardings.params, setup.batch_sharding),
-                  out_shardings=replicated)
+  score = setup.jit(_score, apply_fn=setup.model.apply,
+                    in_shardings=(setup.state_shardings.params, setup.batch_sharding),
+                    out_shardings=replicated)
   size, reference = setup.config.eval.batch_size, setup.dataset.reference
   tables = {}
   for split, batches in reference.batches.items():

@@ -85,19 +85,28 @@ def program(setup: setup_lib.Setup) -> Any:
   """The run's rollout, jitted: (params, prompts [R, P], pad [R], rng, temperature (static))
   -> decode.rollout's arrays, replicated; the prompts split over the batch's shards, done
   rows leaving the batch down to one per shard."""
-  config, mesh = setup.config, setup.mesh
+  grpo, mesh = setup.config.grpo, setup.mesh
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  shards = sharding.batch_shards(mesh, setup.rules)
+  return setup.jit(_generate, setup.model, setup.batch_sharding, grpo.max_completion_tokens,
+                   grpo.top_k, grpo.top_p, tuple(int(i) for i in setup.dataset.stop_ids or ()),
+                   sharding.batch_shards(mesh, setup.rules),
+                   in_shardings=(setup.state_shardings.params, replicated, replicated, None),
+                   out_shardings=replicated, static_argnums=4)
 
-  def generate(params, prompts, pad, rng, temperature):
-    prompts = jax.lax.with_sharding_constraint(prompts, setup.batch_sharding)
-    pad = jax.lax.with_sharding_constraint(pad, setup.batch_sharding)
-    return decode.rollout(setup.model, params, prompts, pad, config.grpo.max_completion_tokens,
-                          rng, temperature, config.grpo.top_k, config.grpo.top_p,
-                          setup.dataset.stop_ids, shards)
-  return jax.jit(generate, in_shardings=(setup.state_shardings.params, replicated, replicated,
-                                         None),
-                 out_shardings=replicated, static_argnums=4)
+
+def _generate(model, batch_sharding, max_tokens, top_k, top_p, stop_ids, shards, params, prompts,
+              pad, rng, temperature):
+  """`program`'s function, its settings bound first."""
+  prompts = jax.lax.with_sharding_constraint(prompts, batch_sharding)
+  pad = jax.lax.with_sharding_constraint(pad, batch_sharding)
+  return decode.rollout(model, params, prompts, pad, max_tokens, rng, temperature, top_k, top_p,
+                        stop_ids, shards)
+
+
+def _score(model, task, params, batch):
+  """Each target's log-probability at the temperature (0 off the mask)."""
+  out = model.apply({'params': params}, *task.model_inputs(batch), **task.model_keywords(batch))
+  return -out['loss'] * batch['mask']
 
 
 def abstract_inputs(setup: setup_lib.Setup) -> tuple:
@@ -130,16 +139,12 @@ class Rollouts:
     self.batch_sharding = setup.batch_sharding
     self.generate = program(setup)
 
-    def score(params, batch):
-      """Each target's log-probability at the temperature (0 off the mask)."""
-      out = setup.model.apply({'params': params}, *self.task.model_inputs(batch),
-                              **self.task.model_keywords(batch))
-      return -out['loss'] * batch['mask']
-    self.score = jax.jit(score, in_shardings=(params_sharding, setup.batch_sharding),
-                         out_shardings=setup.batch_sharding)
+    self.score = setup.jit(_score, setup.model, self.task,
+                           in_shardings=(params_sharding, setup.batch_sharding),
+                           out_shardings=setup.batch_sharding)
     self.reference = self._reference() if holds_reference(setup) else None
     # LoRA's reference: the base, adapters off, placed as the parameters are.
-    self.base = jax.jit(without_adapters, out_shardings=params_sharding)
+    self.base = setup.jit(without_adapters, out_shardings=params_sharding)
     self.current: Optional[dict] = None
     self.metrics: dict = {}
 

@@ -1,5 +1,4 @@
 """Text from a trained run: what `zoo.sample` runs (see zoo/sample.py)."""
-import functools
 import math
 from typing import Sequence
 
@@ -106,14 +105,13 @@ def generate(workdir: str, prompts: Sequence[str] = ('',), num_tokens: int = 200
                                                 field='--workdir')
     logging.info('restored params from step %d of %s', step, directory)
     if cached:
-      gen = jax.jit(functools.partial(decode.generate_cached, setup.model, num_tokens=num_tokens,
-                                      **options), out_shardings=replicated)
+      gen = setup.jit(decode.generate_cached, setup.model, num_tokens=num_tokens, **options,
+                      out_shardings=replicated)
       out_BT = np.asarray(gen(params, prompts_BP, pad_B, rng=jax.random.key(seed)))
     else:
       tokens_BT = np.concatenate([prompts_BP, np.zeros((len(rows), num_tokens), np.int32)], 1)
-      gen = jax.jit(functools.partial(decode.generate, setup.model.apply, prompt_len=longest,
-                                      window=setup.model.max_len, **options),
-                    out_shardings=replicated)
+      gen = setup.jit(decode.generate, setup.model.apply, prompt_len=longest,
+                      window=setup.model.max_len, **options, out_shardings=replicated)
       out_BT = np.asarray(gen({'params': params}, tokens_BT, rng=jax.random.key(seed)))
   samples = []
   for (prompt, ids, hidden), row in zip(rows, out_BT):

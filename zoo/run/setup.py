@@ -7,10 +7,13 @@ shapes with their logical axis names, and the shardings of the state and of a ba
 Everything that traces model code does so inside `setup.scope()` (mesh + rules), without
 which a logical constraint silently does nothing.
 """
+import collections
 import contextlib
 import dataclasses
 import functools
+import json
 import math
+import types
 from typing import Any, Callable, Optional
 
 from absl import logging
@@ -21,7 +24,7 @@ import numpy as np
 import optax
 
 from zoo import data, models
-from zoo.models import lora
+from zoo.models import attention, lora
 from zoo.data import choice, feed
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError
@@ -52,6 +55,9 @@ class Setup:
   batch: dict                   # A global train batch's shapes and sharding (ShapeDtypeStructs).
   choice_tasks: tuple = ()      # Multiple-choice tasks evaluated in the loop (zoo.data.choice).
   trainable: steps.Trainable = None  # LoRA: only the adapters train (zoo.models.lora).
+  # The jitted programs of this build (see `jit`), shared by every Setup that `build`
+  # makes of the same config, data shapes, mesh and rules in this process.
+  programs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   def scope(self) -> contextlib.AbstractContextManager:
     """The mesh and the rules, under which model code is traced (and constraints kept)."""
@@ -73,36 +79,50 @@ class Setup:
     return {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=self.batch_sharding)
             for k, v in example.items()}
 
+  def jit(self, fn: Callable, *args: Any, **kwargs: Any) -> Callable:
+    """jax.jit(functools.partial(fn, *args, **kwargs), **jit_kwargs), where the keyword
+    arguments that are jax.jit's (_JIT_KEYWORDS: shardings, donated and static arguments):
+    built once per build and kept in `programs`, so that a second run of the same build in
+    this process (a resume, a notebook's next call) finds JAX's own caches of it and traces,
+    lowers and compiles nothing again. The key is `fn` and each argument, by value where it
+    is a number, string or sharding, else by identity (kept alive with the program)."""
+    jit_kwargs = {k: kwargs.pop(k) for k in _JIT_KEYWORDS if k in kwargs}
+    if attention.is_recording():  # Its record is written as the program traces (a plan).
+      return jax.jit(functools.partial(fn, *args, **kwargs), **jit_kwargs)
+    parts = (fn, *args, *sorted(kwargs.items()), *sorted(jit_kwargs.items()))
+    key = tuple(_key_of(p) for p in parts)
+    if key not in self.programs:
+      self.programs[key] = (jax.jit(functools.partial(fn, *args, **kwargs), **jit_kwargs), parts)
+    return self.programs[key][0]
+
   def create_state(self) -> steps.TrainState:
     """A fresh state initialised directly into its shards: never materialised replicated."""
-    return jax.jit(lambda rng: nn.meta.unbox(self.init_state(rng)),
-                   out_shardings=self.state_shardings)(self.rng)
+    return self.jit(_unboxed, self.init_state, out_shardings=self.state_shardings)(self.rng)
 
   def jit_train_step(self) -> Callable[[steps.TrainState, dict], tuple[steps.TrainState, dict]]:
     """(state, batch) -> (state, metrics), jitted with the shardings; the state is donated
     and the seed of dropout's keys bound in."""
-    step = functools.partial(steps.train_step, seed=self.config.seed, task=self.task,
-                             microbatches=self.config.train.microbatches,
-                             trainable=self.trainable, lr_schedule=self.lr_schedule)
-    return jax.jit(step, in_shardings=(self.state_shardings, self.batch_sharding),
-                   out_shardings=(self.state_shardings, None), donate_argnums=0)
+    return self.jit(steps.train_step, seed=self.config.seed, task=self.task,
+                    microbatches=self.config.train.microbatches, trainable=self.trainable,
+                    lr_schedule=self.lr_schedule,
+                    in_shardings=(self.state_shardings, self.batch_sharding),
+                    out_shardings=(self.state_shardings, None), donate_argnums=0)
 
   def jit_eval_step(self) -> Callable[[steps.TrainState, dict], dict]:
-    return jax.jit(functools.partial(steps.eval_step, task=self.task),
-                   in_shardings=(self.state_shardings, self.batch_sharding))
+    return self.jit(steps.eval_step, task=self.task,
+                    in_shardings=(self.state_shardings, self.batch_sharding))
 
   def jit_score_step(self) -> Callable[[Any, dict], dict]:
     """(params, batch) -> each row's log-likelihood of its masked targets and whether they
     are all the likeliest tokens (steps.score_step), on every process."""
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    return jax.jit(functools.partial(steps.score_step, apply_fn=self.model.apply,
-                                     task=self.task),
-                   in_shardings=(self.state_shardings.params, self.batch_sharding),
-                   out_shardings=replicated)
+    return self.jit(steps.score_step, apply_fn=self.model.apply, task=self.task,
+                    in_shardings=(self.state_shardings.params, self.batch_sharding),
+                    out_shardings=replicated)
 
   def jit_check_state(self) -> Callable[[steps.TrainState], dict]:
     # steps.check_state is looked up when this is called, so tests can replace it.
-    return jax.jit(steps.check_state, in_shardings=(self.state_shardings,))
+    return self.jit(steps.check_state, in_shardings=(self.state_shardings,))
 
   def param_table(self) -> list[dict]:
     """One row per parameter and BatchNorm statistic: path, shape, dtype, logical axes,
@@ -115,7 +135,8 @@ def build(config: ml_collections.ConfigDict, dataset: Dataset,
           mesh: Optional[jax.sharding.Mesh] = None, rules: Optional[Any] = None,
           devices: Optional[list] = None) -> Setup:
   """The Setup of `config` on its mesh over `devices` (default: all; or on `mesh`, under
-  `rules`); checks nothing."""
+  `rules`); checks nothing. Built again for the same config, data shapes and model fields,
+  mesh and rules in this process, it shares the first's model, optimizer and programs."""
   rules = sharding.for_mesh(config.logical_axis_rules if rules is None else rules,
                             config.mesh.axes if mesh is None else mesh.axis_names)
   if mesh is None:
@@ -123,27 +144,70 @@ def build(config: ml_collections.ConfigDict, dataset: Dataset,
                               dcn_shape=config.mesh.dcn_shape,
                               batch_axes=sharding.batch_mesh_axes(rules))
   family = models.MODELS[config.model.name]
+  example = dataset.train_batch(0, 1, slice(0, 1))  # One row: the shapes.
+  key = (config.to_json_best_effort(sort_keys=True), id(family), dataset.task,
+         json.dumps(dataset.model_fields, sort_keys=True, default=repr),
+         tuple((k, v.shape, str(v.dtype)) for k, v in sorted(example.items())), mesh, rules)
+  if key in _BUILT:  # The same programs: see Setup.jit.
+    _BUILT.move_to_end(key)
+    built = _BUILT[key]
+  else:
+    built = _build(config, dataset, family, example, mesh, rules)
+    _BUILT[key] = built
+    while len(_BUILT) > _BUILDS_KEPT:
+      _BUILT.popitem(last=False)
+  size = config.train.batch_size
+  batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=built['batch_sharding'])
+           for k, v in built['task'].train_example(example).items()}
+  return Setup(config=config, dataset=dataset, family=family, mesh=mesh, rules=rules,
+               rng=jax.random.key(config.seed), batch=batch, **built)
+
+
+# What `build` made for a (config, data shapes, mesh, rules) in this process, newest last:
+# building the same again reuses its model, optimizer and programs (Setup.jit). A few are
+# kept: a run and its resume, a test's runs on one mesh.
+_BUILT = collections.OrderedDict()
+_BUILDS_KEPT = 8
+_JIT_KEYWORDS = ('in_shardings', 'out_shardings', 'donate_argnums', 'static_argnums')
+
+
+def _build(config: ml_collections.ConfigDict, dataset: Dataset, family: ModelFamily,
+           example: dict, mesh: jax.sharding.Mesh, rules: tuple) -> dict:
+  """A Setup's fields that depend on the data only through its shapes and model fields."""
   task = tasks.make(dataset.task if tasks.model_task(dataset.task) == family.task
                     else family.task, config)
   model = models.build(config.model, **dataset.model_fields)
   optimizer, lr_schedule = optim.make_optimizer(config.train.steps, **config.optimizer)
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(sharding.batch_mesh_axes(rules) or None))
-  size = config.train.batch_size
-  example = task.train_example(dataset.train_batch(0, 1, slice(0, 1)))  # One row: the shapes.
-  batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
-           for k, v in example.items()}
+  example = task.train_example(example)
   # Zeros on the host: the state's shapes need no device work.
   trainable = lora.is_adapter if getattr(model, 'lora', lora.Lora()).rank else None
   init_state = steps.state_initializer(model, optimizer, task, jax.tree.map(np.zeros_like, example),
                                        trainable)
-  rng = jax.random.key(config.seed)
+  rng = jax.random.key(config.seed)  # Outside the mesh: made on this host's device.
   with sharding.scope(mesh, rules):
     logical_state = jax.eval_shape(init_state, rng)
-  return Setup(config, dataset, family, task, mesh, rules, model, optimizer, lr_schedule,
-               batch_sharding, init_state, logical_state,
-               sharding.logical_shardings(logical_state, mesh, rules), rng, batch,
-               trainable=trainable)
+  return dict(task=task, model=model, optimizer=optimizer, lr_schedule=lr_schedule,
+              batch_sharding=batch_sharding, init_state=init_state, logical_state=logical_state,
+              state_shardings=sharding.logical_shardings(logical_state, mesh, rules),
+              trainable=trainable, programs={})
+
+
+def _unboxed(init_state: Callable, rng: jax.Array) -> steps.TrainState:
+  return nn.meta.unbox(init_state(rng))
+
+
+def _key_of(part: Any) -> Any:
+  """`part` in a program's key (Setup.jit): by value where that is what it means, else by
+  identity."""
+  if part is None or isinstance(part, (bool, int, float, str, jax.sharding.Sharding)):
+    return part
+  if isinstance(part, tuple):
+    return tuple(_key_of(p) for p in part)
+  if isinstance(part, types.MethodType):  # A bound method: a new object at each lookup.
+    return ('method', part.__func__, id(part.__self__))
+  return ('id', id(part))
 
 
 def placed(config: ml_collections.ConfigDict, dataset: Dataset, mesh_shape: str = '',

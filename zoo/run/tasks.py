@@ -108,10 +108,12 @@ class Task:
     return math.prod(batch['targets'].shape) if self.sequences else None
 
   def eval_sampler(self, model: Any, dataset: 'Dataset', mesh: jax.sharding.Mesh, seed: int,
-                   temperature: float) -> Optional[Callable[[Any, int, 'MetricWriter'], None]]:
+                   temperature: float, jit: Optional[Callable] = None
+                   ) -> Optional[Callable[[Any, int, 'MetricWriter'], None]]:
     """(params, step, writer) -> None, run after each eval's metrics are written; None:
-    the task shows nothing else."""
-    del model, dataset, mesh, seed, temperature
+    the task shows nothing else. `jit(fn, *args, **kwargs)` jits fn with those bound (the
+    run's Setup.jit, which keeps the program for a later run of the same build)."""
+    del model, dataset, mesh, seed, temperature, jit
     return None
 
 
@@ -153,7 +155,8 @@ class LanguageModel(Task):
     return result
 
   def eval_sampler(self, model: Any, dataset: 'Dataset', mesh: jax.sharding.Mesh, seed: int,
-                   temperature: float) -> Callable[[Any, int, 'MetricWriter'], None]:
+                   temperature: float, jit: Optional[Callable] = None
+                   ) -> Callable[[Any, int, 'MetricWriter'], None]:
     """Continues the first quarter of the first held-out window (the same on every
     process), logs `sample at step N: prompt -> continuation` and writes it as text. Chat
     data: the assistant's reply to a held-out conversation's opening, up to its end."""
@@ -165,9 +168,8 @@ class LanguageModel(Task):
       tokens = next(iter(dataset.eval_batches(1, slice(0, 1))))['inputs']  # [1, seq_len]
       prompt_len = tokens.shape[1] // 4
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    gen = jax.jit(functools.partial(decode.generate, model.apply, prompt_len=prompt_len,
-                                    window=model.max_len, temperature=temperature),
-                  out_shardings=replicated)
+    gen = (jit or _jit)(decode.generate, model.apply, prompt_len=prompt_len,
+                        window=model.max_len, temperature=temperature, out_shardings=replicated)
 
     def sample(params, step, writer):
       rng = jax.random.fold_in(jax.random.key(seed), step)
@@ -287,8 +289,8 @@ class Preference(LanguageModel):
   def tokens(self, batch: dict) -> Optional[int]:
     return math.prod(batch['targets'].shape)
 
-  def eval_sampler(self, model, dataset, mesh, seed, temperature):
-    del model, dataset, mesh, seed, temperature
+  def eval_sampler(self, model, dataset, mesh, seed, temperature, jit=None):
+    del model, dataset, mesh, seed, temperature, jit
     return None
 
 
@@ -401,9 +403,13 @@ class PolicyGradient(LanguageModel):
   def tokens(self, batch: dict) -> Optional[int]:
     return math.prod(batch['targets'].shape)
 
-  def eval_sampler(self, model, dataset, mesh, seed, temperature):
-    del model, dataset, mesh, seed, temperature
+  def eval_sampler(self, model, dataset, mesh, seed, temperature, jit=None):
+    del model, dataset, mesh, seed, temperature, jit
     return None
+
+
+def _jit(fn: Callable, *args: Any, out_shardings: Any = None, **kwargs: Any) -> Callable:
+  return jax.jit(functools.partial(fn, *args, **kwargs), out_shardings=out_shardings)
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (Task(), LanguageModel(), Seq2Seq(), Preference(),
