@@ -207,6 +207,8 @@ def test_setup_jit_keeps_one_program_per_function_and_bound_values():
   first = jit(np.add, 1, out_shardings=sharding)
   assert jit(np.add, 1, out_shardings=jax.sharding.SingleDeviceSharding(jax.devices()[0])) is first
   assert jit(np.add, 2, out_shardings=sharding) is not first
+  assert jit(np.add, 1.0, out_shardings=sharding) is not first  # Equal to 1, not the same.
+  assert jit(np.add, True, out_shardings=sharding) is not first
   assert jit(np.subtract, 1, out_shardings=sharding) is not first
   assert jit(np.add, 1) is not first
 

@@ -201,7 +201,9 @@ def _unboxed(init_state: Callable, rng: jax.Array) -> steps.TrainState:
 def _key_of(part: Any) -> Any:
   """`part` in a program's key (Setup.jit): by value where that is what it means, else by
   identity."""
-  if part is None or isinstance(part, (bool, int, float, str, jax.sharding.Sharding)):
+  if part is None or isinstance(part, (bool, int, float, str)):
+    return type(part), part  # 1, 1.0 and True are equal, but not the same argument.
+  if isinstance(part, jax.sharding.Sharding):
     return part
   if isinstance(part, tuple):
     return tuple(_key_of(p) for p in part)
