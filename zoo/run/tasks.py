@@ -12,13 +12,12 @@ trainer reaches task semantics only through these objects:
 - `tokens(batch)`: the tokens a train batch trains on (sequence tasks), for tokens/s;
 - `figures(out, batch)`: sums over a train batch that are logged beside the loss, as
   their mean per counted target (DPO's rewards and log-probs per pair);
-- `eval_sampler(model, dataset, mesh, seed, temperature)`: what an eval shows besides
+- `eval_sampler(model, dataset, mesh, seed, temperature, jit)`: what an eval shows besides
   metrics (the LM's sample, logged and written to TensorBoard).
 
 Post-training tasks (DPO) train the models of another task (`MODEL_TASK`: language models)
 and take their settings from the config (`make`).
 """
-import functools
 import math
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -108,7 +107,7 @@ class Task:
     return math.prod(batch['targets'].shape) if self.sequences else None
 
   def eval_sampler(self, model: Any, dataset: 'Dataset', mesh: jax.sharding.Mesh, seed: int,
-                   temperature: float, jit: Optional[Callable] = None
+                   temperature: float, jit: Callable
                    ) -> Optional[Callable[[Any, int, 'MetricWriter'], None]]:
     """(params, step, writer) -> None, run after each eval's metrics are written; None:
     the task shows nothing else. `jit(fn, *args, **kwargs)` jits fn with those bound (the
@@ -155,7 +154,7 @@ class LanguageModel(Task):
     return result
 
   def eval_sampler(self, model: Any, dataset: 'Dataset', mesh: jax.sharding.Mesh, seed: int,
-                   temperature: float, jit: Optional[Callable] = None
+                   temperature: float, jit: Callable
                    ) -> Callable[[Any, int, 'MetricWriter'], None]:
     """Continues the first quarter of the first held-out window (the same on every
     process), logs `sample at step N: prompt -> continuation` and writes it as text. Chat
@@ -168,8 +167,8 @@ class LanguageModel(Task):
       tokens = next(iter(dataset.eval_batches(1, slice(0, 1))))['inputs']  # [1, seq_len]
       prompt_len = tokens.shape[1] // 4
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    gen = (jit or _jit)(decode.generate, model.apply, prompt_len=prompt_len,
-                        window=model.max_len, temperature=temperature, out_shardings=replicated)
+    gen = jit(decode.generate, model.apply, prompt_len=prompt_len, window=model.max_len,
+              temperature=temperature, out_shardings=replicated)
 
     def sample(params, step, writer):
       rng = jax.random.fold_in(jax.random.key(seed), step)
@@ -289,7 +288,7 @@ class Preference(LanguageModel):
   def tokens(self, batch: dict) -> Optional[int]:
     return math.prod(batch['targets'].shape)
 
-  def eval_sampler(self, model, dataset, mesh, seed, temperature, jit=None):
+  def eval_sampler(self, model, dataset, mesh, seed, temperature, jit):
     del model, dataset, mesh, seed, temperature, jit
     return None
 
@@ -403,13 +402,9 @@ class PolicyGradient(LanguageModel):
   def tokens(self, batch: dict) -> Optional[int]:
     return math.prod(batch['targets'].shape)
 
-  def eval_sampler(self, model, dataset, mesh, seed, temperature, jit=None):
+  def eval_sampler(self, model, dataset, mesh, seed, temperature, jit):
     del model, dataset, mesh, seed, temperature, jit
     return None
-
-
-def _jit(fn: Callable, *args: Any, out_shardings: Any = None, **kwargs: Any) -> Callable:
-  return jax.jit(functools.partial(fn, *args, **kwargs), out_shardings=out_shardings)
 
 
 TASKS: dict[str, Task] = {t.name: t for t in (Task(), LanguageModel(), Seq2Seq(), Preference(),
