@@ -156,11 +156,7 @@ def build(config: ml_collections.ConfigDict, dataset: Dataset,
     _BUILT[key] = built
     while len(_BUILT) > _BUILDS_KEPT:
       _BUILT.popitem(last=False)
-  size = config.train.batch_size
-  batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=built['batch_sharding'])
-           for k, v in built['task'].train_example(example).items()}
-  return Setup(config=config, dataset=dataset, family=family, mesh=mesh, rules=rules,
-               rng=jax.random.key(config.seed), batch=batch, **built)
+  return Setup(config=config, dataset=dataset, family=family, mesh=mesh, rules=rules, **built)
 
 
 # What `build` made for a (config, data shapes, mesh, rules) in this process, newest last:
@@ -173,7 +169,8 @@ _JIT_KEYWORDS = ('in_shardings', 'out_shardings', 'donate_argnums', 'static_argn
 
 def _build(config: ml_collections.ConfigDict, dataset: Dataset, family: ModelFamily,
            example: dict, mesh: jax.sharding.Mesh, rules: tuple) -> dict:
-  """A Setup's fields that depend on the data only through its shapes and model fields."""
+  """A Setup's fields that depend on the data only through its shapes and model fields
+  (all of them but the config, the dataset, the family, the mesh and the rules)."""
   task = tasks.make(dataset.task if tasks.model_task(dataset.task) == family.task
                     else family.task, config)
   model = models.build(config.model, **dataset.model_fields)
@@ -181,6 +178,9 @@ def _build(config: ml_collections.ConfigDict, dataset: Dataset, family: ModelFam
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(sharding.batch_mesh_axes(rules) or None))
   example = task.train_example(example)
+  size = config.train.batch_size
+  batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
+           for k, v in example.items()}
   # Zeros on the host: the state's shapes need no device work.
   trainable = lora.is_adapter if getattr(model, 'lora', lora.Lora()).rank else None
   init_state = steps.state_initializer(model, optimizer, task, jax.tree.map(np.zeros_like, example),
@@ -191,7 +191,7 @@ def _build(config: ml_collections.ConfigDict, dataset: Dataset, family: ModelFam
   return dict(task=task, model=model, optimizer=optimizer, lr_schedule=lr_schedule,
               batch_sharding=batch_sharding, init_state=init_state, logical_state=logical_state,
               state_shardings=sharding.logical_shardings(logical_state, mesh, rules),
-              trainable=trainable, programs={})
+              rng=rng, batch=batch, trainable=trainable, programs={})
 
 
 def _unboxed(init_state: Callable, rng: jax.Array) -> steps.TrainState:
