@@ -1,5 +1,6 @@
 """Tests run on 8 emulated CPU devices, set up before JAX initialises."""
 import atexit
+import gc
 import json
 import os
 import shutil
@@ -31,6 +32,13 @@ os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '0'
 import pytest  # pylint: disable=wrong-import-position
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_collection_finish(session):
+  """The test modules and what they import live as long as the worker: frozen, as the
+  commands' shell freezes theirs (zoo.shell.run), Python's full collections skip them."""
+  del session
+  gc.freeze()
 
 
 def experiment(name):

@@ -13,6 +13,7 @@ A command is a function of its arguments (`python -m zoo.X ARGS`), run by `run`:
   what zoo did not expect: a bug. `--help` prints the flags and exits 0.
 """
 import errno
+import gc
 import os
 import sys
 import threading
@@ -149,6 +150,11 @@ def _main(command: Callable[[list[str]], None], argv: list[str]) -> None:
 
 def run(command: Callable[[list[str]], None]) -> NoReturn:
   """Runs `command(argv)` (argv: the program and its positional arguments) in the shell."""
+  # What the imports made (JAX, Flax, orbax: 140,000 objects the collector tracks) lives as
+  # long as the process. Frozen, it is skipped by Python's full collections during the
+  # command (tracing triggers many) and by the last one at exit: a char_lm smoke run in
+  # 3.5 CPU-s instead of 4.3, a command that fails at once in 0.2 s less.
+  gc.freeze()
   if any(arg in HELP for arg in sys.argv[1:]):  # absl's own --help exits 1.
     module = sys.modules['__main__']
     print((module.__doc__ or '').strip() + '\n')
