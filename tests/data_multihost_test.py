@@ -53,8 +53,11 @@ def datasets(tmp_path_factory):
 
 
 def _flags(data_flags):
+  # No eval sample: on 2 processes each of its tokens is a forward with collectives over
+  # TCP (4 CPU-s a job); gcs_test's 2 processes sample.
   return {**data_flags, 'train.steps': 2 * STEPS, 'train.log_every_steps': 1,
-          'eval.every_steps': 2 * STEPS, 'checkpoint.every_steps': STEPS, 'mesh.shape': '(4,2)'}
+          'eval.every_steps': 2 * STEPS, 'checkpoint.every_steps': STEPS, 'mesh.shape': '(4,2)',
+          'eval.sample': False}
 
 
 def _rows(workdir):
@@ -79,6 +82,7 @@ def test_two_processes_read_half_each_and_resume_in_one(name, datasets, tmp_path
        '--heartbeat_timeout=30', '--', *args, f'--workdir={workdir}'],
       cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
   assert result.returncode == 0, result.stdout[-3000:]
+  assert 'sample at' not in result.stdout  # eval.sample=False: none.
   batch = load_config(experiment_name, arg).train.batch_size
   for i in (0, 1):  # Each process read its half of every step's batch, and no more.
     read = re.search(rf'\[process {i}\] .*process {i} read (\d+) training examples for '

@@ -326,6 +326,10 @@ def test_two_processes_read_their_rows_of_a_bucket_dataset_and_resume_in_one(
     read = re.search(rf'\[process {i}\] .*process {i} read (\d+) training examples for '
                      rf'{steps} steps', two.stdout)
     assert read and int(read.group(1)) == steps * batch // 2, two.stdout[-3000:]
+  # The eval's sample: the same prompt and continuation on both processes.
+  samples = [re.findall(rf'\[process {i}\] .*(sample at step {steps}: .*)', two.stdout)
+             for i in (0, 1)]
+  assert samples[0] and samples[0] == samples[1], two.stdout[-3000:]
   assert _close(_rows(workdir), want)  # Each step once, as in the reference.
   from zoo.store import storage  # pylint: disable=import-outside-toplevel
   storage.remove_tree(f'{workdir}/checkpoints/{steps}')  # One process resumes from the other.

@@ -442,7 +442,7 @@ def test_experts_split_over_two_processes_train_as_one_process(straight, tmp_pat
   straight run, its experts over an axis of 4: the same math on every mesh)."""
   del devices
   from multihost_test import launch  # pylint: disable=import-outside-toplevel
-  settings = {**STEPS, 'mesh.shape': (1, 8, 1)}
+  settings = {**STEPS, 'mesh.shape': (1, 8, 1), 'eval.sample': False}  # (data_multihost_test)
   result = launch(f'--config={experiment("moe_lm")}:smoke,ep', f'--workdir={tmp_path / "two"}',
                   *(f'--config.{k}={v}' for k, v in settings.items()))
   assert result.returncode == 0, result.stdout[-3000:]

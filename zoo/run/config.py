@@ -68,7 +68,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.every_steps = 200                # Also evaluates after the last step.
   c.eval.batch_size = 128                 # Global; the last batch is padded and masked.
   c.eval.max_batches = 0                  # 0: the whole eval split.
-  c.eval.sample_temperature = 0.8         # LM only: the sample printed at each eval; 0 is greedy.
+  c.eval.sample = True                    # LM only: print a sample at each eval (one forward
+                                          # a token over the window: on long ones, slow).
+  c.eval.sample_temperature = 0.8         # The sample's; 0 is greedy.
   c.eval.choice_tasks = ()                # LM only: multiple-choice tasks (zoo.data.choice).
   c.metrics = ml_collections.ConfigDict()  # metrics.jsonl and TensorBoard always; W&B if set.
   c.metrics.wandb_project = ''            # A W&B project: rows, config, samples (`.[wandb]`).

@@ -48,9 +48,9 @@ class Reporter:
   def __init__(self, setup: setup_lib.Setup, writer: metrics.MetricWriter, cost: dict,
                start_step: int):
     self.setup, self.writer, self.cost = setup, writer, cost
-    self.sampler = setup.task.eval_sampler(setup.model, setup.dataset, setup.mesh,
-                                           setup.config.seed, setup.config.eval.sample_temperature,
-                                           setup.jit)
+    self.sampler = setup.task.eval_sampler(
+        setup.model, setup.dataset, setup.mesh, setup.config.seed,
+        setup.config.eval.sample_temperature, setup.jit) if setup.config.eval.sample else None
     self.pending: Optional[tuple] = None
     self.clock_time, self.clock_step, self.data_wait = time.perf_counter(), start_step, 0.0
 
