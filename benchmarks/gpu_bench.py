@@ -233,6 +233,8 @@ def run_zoo(row: Row, s: Shape, args, scratch: str, data_dir: str) -> dict:
   t0 = time.perf_counter()
   error = run_logged([sys.executable, '-c', ZOO_BOOT, peak_file, f'--workdir={workdir}', *flags],
                      os.path.join(scratch, 'zoo.log'))
+  with open(os.path.join(scratch, 'zoo.log'), encoding='utf-8', errors='replace') as f:
+    notes += [line.strip() for line in f if 'model.attention=' in line]  # Where XLA's ran.
   result = {'command': ' '.join(['python -m zoo.main', f'--workdir={workdir}', *flags]),
             'wall_s': round(time.perf_counter() - t0, 1), 'notes': notes}
   try:
@@ -382,6 +384,11 @@ def bench(args) -> None:
         notes.append(f'tokens dataset {data_dir}: vocabulary {data_vocab:,}, model {s.vocab:,}')
       print(f'{name}: zoo', flush=True)
       z = run_zoo(row, s, args, scratch, data_dir)
+      # Said and saved before the peer runs: a run cut short keeps what it measured.
+      print(f'{name}: zoo', z.get('tokens_per_s'), 'tokens/s, MFU', z.get('mfu'), *z['notes'],
+            z.get('error', ''), flush=True)
+      results[name] = {'shape': dataclasses.asdict(s), 'zoo': z, 'torch': {}, 'ratio': None}
+      save(info, peak, args, results, notes)
       peer = (row.peer, s)  # The stream row's peer is the packed row's: run once.
       if peer not in peers:
         print(f'{name}: torch', flush=True)
@@ -404,10 +411,15 @@ def bench(args) -> None:
     notes.insert(0, f'packed documents / stream windows (zoo, llama-3.2-1b): {packed / stream:.3f}')
   print('\n'.join(['zoo peak: JAX allocator peak_bytes_in_use (null on CPU); torch peak: '
                    'torch.cuda.max_memory_allocated (null on CPU)', *notes]))
+  save(info, peak, args, results, notes)
+  print('wrote', args.out)
+
+
+def save(info: dict, peak: float | None, args, results: dict, notes: list) -> None:
+  """--out: the machine, and every row measured so far."""
   with open(args.out, 'w', encoding='utf-8') as f:
     json.dump({**info, 'peak_flops': peak, 'smoke': args.smoke, 'steps': args.steps,
                'log_every': args.log_every, 'rows': results, 'notes': notes}, f, indent=2)
-  print('wrote', args.out)
 
 
 def parse_args():
