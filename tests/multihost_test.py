@@ -129,7 +129,8 @@ def _start(i, port, workdir):
 def test_survivor_exits_nonzero_in_bounded_time(victim, tmp_path):
   """The survivor of a SIGKILLed peer aborts with JAX's termination message: within the
   heartbeat timeout when process 1 dies (measured 10.6 s), at once when the coordinator
-  (process 0) does (measured 0.2 s)."""
+  (process 0) does (measured 0.2 s). A survivor that was inside a collective with the
+  dead peer (its TCP link reset: about 1 run in 10) ends at once as one zoo line."""
   sys.path.insert(0, os.path.join(REPO, 'launch'))
   import local  # pylint: disable=import-outside-toplevel
   port = local.free_port()
@@ -150,6 +151,12 @@ def test_survivor_exits_nonzero_in_bounded_time(victim, tmp_path):
       if p.poll() is None:
         p.kill()
   print(f'process {1 - victim} exited {rc} after {elapsed:.1f} s')
+  if rc == 1:  # The collective failed before the heartbeat ran out.
+    assert 'Traceback' not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith(
+        'zoo: error: a collective with the other processes failed (UNKNOWN: Gloo '), stderr[-2000:]
+    assert elapsed < 5, f'survivor took {elapsed:.1f} s'
+    return
   assert rc == -signal.SIGABRT, stderr[-2000:]
   assert ('Terminating process because the JAX distributed service detected fatal errors. This '
           'most likely indicates that another task died') in stderr, stderr[-2000:]

@@ -122,6 +122,14 @@ def _is_bucket_error(e: Exception) -> bool:
   return type(e).__module__.split('.')[0] in ('gcsfs', 'google', 'fsspec')
 
 
+def _is_peer_lost(e: Exception) -> bool:
+  """A collective over the processes' TCP links (XLA:CPU's gloo) that failed mid-step: a
+  peer died or its connection broke while this process was exchanging with it. (Between
+  steps, and on TPUs and GPUs, a dead peer is found by the heartbeat instead.)"""
+  message = str(e)
+  return type(e).__name__ == 'JaxRuntimeError' and 'Gloo ' in message and ' failed: ' in message
+
+
 def _main(command: Callable[[list[str]], None], argv: list[str]) -> None:
   from zoo.store import metrics  # pylint: disable=import-outside-toplevel
   if not FLAGS.log_libraries:
@@ -143,6 +151,10 @@ def _main(command: Callable[[list[str]], None], argv: list[str]) -> None:
       fail(f'zoo: error: the bucket refused a request: {type(e).__name__}: '
            f'{errors.first_line(e)}; check the credentials, permissions and '
            'network, then run the same command again')
+    if _is_peer_lost(e):
+      fail(f'zoo: error: a collective with the other processes failed ({errors.first_line(e)}): '
+           'a peer process died or its connection broke; start every process again to '
+           'resume from the newest checkpoint')
     logging.exception('zoo: unexpected error')
     fail('zoo: error: unexpected error (a bug in zoo: the traceback above says where; please '
          'report it)')
