@@ -42,7 +42,8 @@ _EVENTS = {'/jax/core/compile/jaxpr_trace_duration': 'trace',
 def _listen():
   import jax.monitoring as m
   m.register_event_duration_secs_listener(
-      lambda event, secs, **kw: event in _EVENTS and _write(kind=_EVENTS[event], secs=secs))
+      lambda event, secs, **kw: event in _EVENTS and _write(kind=_EVENTS[event], secs=secs,
+                                                             program=kw.get('fun_name', '')))
   m.register_event_listener(lambda event, **kw: event.endswith(('/cache_hits', '/cache_misses'))
                             and _write(kind=event.rsplit('/', 1)[1]))
 class _AfterJax(importlib.abc.MetaPathFinder):
@@ -105,6 +106,23 @@ def summarise(rows: list[dict]) -> list[dict]:
   return out + [{'file': 'total', **total}]
 
 
+def by_program(rows: list[dict], top: int = 25) -> list[dict]:
+  """The programs that took the most tracing, lowering and compiling, summed over the run
+  (jit(f) is f's name: every shape and config of it together)."""
+  programs = collections.defaultdict(lambda: collections.defaultdict(float))
+  for r in rows:
+    if r['kind'] in ('trace', 'lower', 'backend', 'cache') and r.get('program'):
+      name = r['program']  # Traced as f, lowered and compiled as jit(f).
+      p = programs[name[4:-1] if name.startswith('jit(') else name]
+      p[r['kind']] += r['secs']
+      p['n_' + r['kind']] += 1
+  out = [{'program': name, 'traces': int(p['n_trace']), 'trace_s': p['trace'],
+          'lower_s': p['lower'], 'compiles': int(p['n_backend']),
+          'compile_s': p['backend'] - p['cache']} for name, p in programs.items()]
+  out.sort(key=lambda r: -(r['trace_s'] + r['lower_s'] + r['compile_s']))
+  return out[:top]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   parser.add_argument('--out', default='suite_profile.json')
@@ -128,8 +146,11 @@ def main():
       rows += [json.loads(line) for line in f if line.strip()]
   table = summarise(rows)
   print_rows(f'pytest {" ".join(pytest_args)}: {wall:.0f} s wall, exit {done.returncode}', table)
+  programs = by_program(rows)
+  print_rows('the programs that took the most tracing, lowering and compiling', programs)
   with open(args.out, 'w', encoding='utf-8') as f:
     json.dump({'wall_s': wall, 'returncode': done.returncode, 'files': table,
+               'programs': programs,
                'tests': [r for r in rows if r['kind'] == 'test']}, f, indent=1)
   print(f'\nwrote {args.out}')
 
