@@ -130,7 +130,7 @@ def test_survivor_exits_nonzero_in_bounded_time(victim, tmp_path):
   """The survivor of a SIGKILLed peer aborts with JAX's termination message: within the
   heartbeat timeout when process 1 dies (measured 10.6 s), at once when the coordinator
   (process 0) does (measured 0.2 s). A survivor that was inside a collective with the
-  dead peer (its TCP link reset: about 1 run in 10) ends at once as one zoo line."""
+  dead peer (its TCP link reset: 1 of 18 runs here) ends at once as one zoo line."""
   sys.path.insert(0, os.path.join(REPO, 'launch'))
   import local  # pylint: disable=import-outside-toplevel
   port = local.free_port()
