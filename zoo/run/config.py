@@ -253,9 +253,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> None:
   if config.data.get('name') not in data.DATASETS:
     fail('data.name', f'unknown dataset {config.data.get("name")!r}; '
          f'known: {", ".join(data.DATASETS)}')
-  mesh_lib.check_mesh_shape(config.mesh.shape, config.mesh.axes, num_devices,
-                            dcn_shape=config.mesh.dcn_shape)
+  shape = mesh_lib.check_mesh_shape(config.mesh.shape, config.mesh.axes, num_devices,
+                                    dcn_shape=config.mesh.dcn_shape)
   _validate_rules(config.logical_axis_rules, config.mesh.axes)
+  _check_every_axis_is_used(config.logical_axis_rules, config.mesh.axes, shape)
   family, source = models.MODELS[config.model.name], data.DATASETS[config.data.name]
   if source.task is not None and family.task != tasks.model_task(source.task):
     fail('data.name', f'model {config.model.name!r} trains on {family.task} data but '
@@ -411,6 +412,17 @@ def _validate_rules(rules, mesh_axes):
       if a not in mesh_axes and a not in sharding.OPTIONAL_MESH_AXES:
         fail('logical_axis_rules', f'rule ({name!r}, {axis!r}) names mesh axis {a!r}, '
              f'but mesh.axes is {tuple(mesh_axes)}; add {a!r} to mesh.axes or change the rule')
+
+
+def _check_every_axis_is_used(rules, mesh_axes, shape):
+  """A mesh axis over several devices that no rule maps a logical axis onto would have every
+  device along it compute the same rows: refused."""
+  used = {a for _, axis in sharding.for_mesh(rules, mesh_axes) for a in sharding.mesh_axes_of(axis)}
+  for axis, size in zip(mesh_axes, shape):
+    if size > 1 and axis not in used:
+      fail('mesh.axes', f'mesh axis {axis!r} ({size} devices) is named by no rule in '
+           'logical_axis_rules, so every device along it would compute the same rows; map a '
+           f'logical axis onto {axis!r} or leave it out of mesh.axes')
 
 
 def validate_with_data(config: ml_collections.ConfigDict, dataset: Dataset,
