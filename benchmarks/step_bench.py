@@ -92,7 +92,8 @@ def overhead(name, mesh_shape, block_steps, repeats, peak):
   dataset = data.load(config.data, config.seed)
   s = setup.build(config, dataset)
   with s.scope():
-    batch = feed.TrainBatches(dataset, s.batch_sharding, config.train.batch_size)(0)
+    batch = feed.TrainBatches(dataset, s.batch_sharding, config.train.batch_size,
+                          arrange=s.arrange)(0)
     zoo_state = s.create_state()
     train_step = s.jit_train_step()
     shardings = s.state_shardings

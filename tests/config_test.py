@@ -64,10 +64,10 @@ BAD_INPUTS = {
     'unknown activation': ({'model.mlp_activation': 'relu'}, r"config\.model\.mlp_activation: unknown mlp_activation 'relu'; known: gelu, gelu_exact, swiglu", 'char_lm'),
     'unknown attention': ({'model.attention': 'flash'}, r"config\.model\.attention: unknown attention 'flash'; known: auto, xla, cudnn", 'char_lm'),
     'zero rope theta': ({'model.rope_theta': 0.0}, r'config\.model\.rope_theta: must be positive, got 0\.0', 'char_lm'),
-    # Every device along 'context' would compute the same rows (issue 42: accepted before).
-    'mesh axis no rule maps': ({'mesh.axes': ('batch', 'context', 'model'), 'mesh.shape': (2, 2, 2),
-                                'mesh.dcn_shape': (1, 1, 1)},
-                               r"config\.mesh\.axes: mesh axis 'context' \(2 devices\) is named by no "
+    # Every device along 'expert' would compute the same rows: char_lm has no experts and its
+    # rules none for it (a 'context' axis gets its rules: zoo.parallel.sharding.for_mesh).
+    'mesh axis no rule maps': ({'mesh.axes': ('batch', 'expert', 'model'), 'mesh.shape': (2, 2, 2)},
+                               r"config\.mesh\.axes: mesh axis 'expert' \(2 devices\) is named by no "
                                r'rule in logical_axis_rules, so every device along it would compute '
                                r'the same rows', 'char_lm'),
     'init_from missing': ({'checkpoint.init_from': '/nonexistent/run'},

@@ -4,7 +4,7 @@ import contextlib
 import itertools
 import queue
 import threading
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import jax
 
@@ -52,8 +52,12 @@ class TrainBatches:
   (Dataset.train_iterator, e.g. in worker processes). `close` stops those workers."""
 
   def __init__(self, dataset: Dataset, batch_sharding: jax.sharding.NamedSharding,
-               global_batch_size: int, start: int = 0):
+               global_batch_size: int, start: int = 0,
+               arrange: Optional[Callable[[dict], dict]] = None):
+    """`arrange`: what each local batch goes through before it is placed (Setup.arrange:
+    context parallelism's load-balanced order)."""
     self.dataset, self.sharding, self.size = dataset, batch_sharding, global_batch_size
+    self.arrange = arrange or (lambda batch: batch)
     self.rows = process_rows(batch_sharding, global_batch_size)
     self.next_step, self.local = start, None
     if dataset.train_iterator is not None:
@@ -66,7 +70,7 @@ class TrainBatches:
       assert step == self.next_step, f'asked for step {step}, the workers build {self.next_step}'
       local = next(self.local)
       self.next_step += 1
-    return to_global(local, self.sharding, self.size)
+    return to_global(self.arrange(local), self.sharding, self.size)
 
   def close(self) -> None:
     if hasattr(self.local, 'close'):
@@ -75,12 +79,15 @@ class TrainBatches:
 
 def eval_batches(batches: Callable[[int, slice], Iterator[dict]],
                  batch_sharding: jax.sharding.NamedSharding, global_batch_size: int,
-                 max_batches: int = 0) -> Iterator[dict]:
+                 max_batches: int = 0, arrange: Optional[Callable[[dict], dict]] = None
+                 ) -> Iterator[dict]:
   """The global eval batches of `batches` (a Dataset's eval_batches: (global batch size,
-  rows) -> local batches), the first `max_batches` (0: all), each example once."""
+  rows) -> local batches), the first `max_batches` (0: all), each example once, each
+  through `arrange` (as TrainBatches's) first."""
   rows = process_rows(batch_sharding, global_batch_size)
+  arrange = arrange or (lambda batch: batch)
   for local in itertools.islice(batches(global_batch_size, rows), max_batches or None):
-    yield to_global(local, batch_sharding, global_batch_size)
+    yield to_global(arrange(local), batch_sharding, global_batch_size)
 
 
 class Prefetch:

@@ -20,6 +20,11 @@ scores and per-head query/key norms.
   layer's choice for the plan (zoo.run.plan).
 - Query/key norms (Qwen3, Gemma 3): each head's queries and keys normalised over the head
   size before the rotation.
+- A sequence split over the mesh (context parallelism, zoo.parallel.sharding.context_rules):
+  the queries stay split, the keys and values are gathered whole ('act_kv_len'), and the
+  masks (causal, window, segments) come from the tokens' positions, so a row fed in any
+  order (zoo.parallel.context's load-balanced one) attends exactly as in order. XLA's
+  attention runs there (no fused kernel here takes a split sequence yet).
 
 Shapes are suffixed: B batch, L (M) query (key) length, D d_model, N heads, G key/value
 heads, K heads per group, H head size, S cache positions, R LoRA rank.
@@ -36,6 +41,7 @@ from zoo.models import lora as lora_lib
 from zoo.models import rope as rope_lib
 from zoo.models import splash
 from zoo.models.layers import norm, param, platform
+from zoo.parallel import sharding
 
 Flag = Union[bool, jax.Array]  # A layer's `local`: static, or traced under nn.scan.
 
@@ -90,6 +96,35 @@ def _cudnn_refusal(kv_axis: str) -> str:
   if tuple(q_spec) != tuple(kv_spec):
     return 'the rules split queries and keys/values differently'
   return ''
+
+
+def sequence_split() -> bool:
+  """Whether the current mesh and rules split the sequence ('act_len') over several
+  devices: context parallelism, where a row's positions may come in any order (the feed's
+  load-balanced layout, zoo.parallel.context) and masks follow the positions."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and sharding.sequence_shards(mesh, nn.get_logical_axis_rules()) > 1
+
+
+def _by_position(positions_BL: jax.Array, causal: bool, window: int, local: Flag,
+                 segments_BL: Optional[jax.Array]) -> Optional[jax.Array]:
+  """[B, 1, L, L]: which keys each query of self-attention sees, from the tokens' own
+  positions and segments rather than their order along the sequence (exact in any order):
+  causal, key position <= query position; local, query - key < window; packed, the same
+  segment. None: every key."""
+  mask = None
+
+  def both(a, b):
+    return b if a is None else a & b
+  q_BL1, k_B1L = positions_BL[:, :, None], positions_BL[:, None, :]
+  if causal:
+    mask = both(mask, k_B1L <= q_BL1)
+  if window and local is not False:
+    near = q_BL1 - k_B1L < window
+    mask = both(mask, near if local is True else near | ~local)
+  if segments_BL is not None:
+    mask = both(mask, segments_BL[:, :, None] == segments_BL[:, None, :])
+  return None if mask is None else mask[:, None]
 
 
 def _select(local: Flag, if_local: Any, otherwise: Any) -> Any:
@@ -195,6 +230,15 @@ class Attention(nn.Module):
     if self.decode:  # XLA's, over the whole cache: its mask is causal.
       k_BGSH, v_BGSH, mask = self._extend_cache(k_BMGH, v_BMGH, start_B, kv_act, local)
       out_BLNH = _grouped(q_BLNH, k_BGSH, v_BGSH, mask, False, scale, self.softcap, 'BGMH')
+    elif sequence_split():  # Context parallelism: keys and values gathered whole.
+      kv_whole = ('act_batch', 'act_kv_len', kv_act[2], 'act_kv')
+      k_BMGH = nn.with_logical_constraint(k_BMGH, kv_whole)
+      v_BMGH = nn.with_logical_constraint(v_BMGH, kv_whole)
+      if context_BMD is None:
+        mask = _by_position(positions_BL, causal, self.window, local, segments_BL)
+        causal = False
+      out_BLNH = (_grouped(q_BLNH, k_BMGH, v_BMGH, mask, causal, scale, self.softcap)
+                  if self.softcap else None)
     else:
       if segments_BL is not None:
         mask = (segments_BL[:, :, None] == segments_BL[:, None, :])[:, None]  # [B, 1, L, M]

@@ -135,12 +135,16 @@ def token_losses(module: nn.Module, x_BLD: jax.Array, targets_BL: jax.Array, voc
     return chunk(head_DV, (x_BLD, targets_BL))
   chunk = jax.checkpoint(chunk)
 
+  # Chunk j holds positions j, j + n, j + 2n, ...: strided, so that where the sequence is
+  # split over devices (context parallelism) every chunk is split the same way and each
+  # device computes its own positions' logits (contiguous chunks would each live on one
+  # device, and the loop would gather the hidden states).
   def split(y):  # [B, L, ...] -> [n, B, L/n, ...]
-    return jnp.moveaxis(y.reshape((batch, n, length // n) + y.shape[2:]), 1, 0)
+    return jnp.moveaxis(y.reshape((batch, length // n, n) + y.shape[2:]), 2, 0)
   # The head's gradient sums over chunks in float32 (it is closed over in float32).
   head32_DV = head_DV.astype(jnp.float32)
   chunked = jax.lax.map(lambda xs: chunk(head32_DV, xs), (split(x_BLD), split(targets_BL)))
-  return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape(batch, length), chunked)
+  return jax.tree.map(lambda y: jnp.moveaxis(y, 0, 2).reshape(batch, length), chunked)
 
 
 NORMS = ('layer', 'rms', 'rms_offset')

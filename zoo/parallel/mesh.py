@@ -53,7 +53,7 @@ def check_mesh_shape(shape: Sequence[int], axes: Sequence[str], num_devices: int
                       'inferred')
   if any(s == 0 or s < -1 for s in shape):
     raise ConfigError(f'{field}: {shape} has a size that is neither positive nor -1')
-  dcn = tuple(dcn_shape or (1,) * len(axes))
+  dcn = one_slice(dcn_shape, len(axes))
   if len(dcn) != len(axes) or any(d <= 0 for d in dcn):
     raise ConfigError(f'config.mesh.dcn_shape: {dcn} must give one positive number of slices '
                       f'per axis of {axes}')
@@ -69,6 +69,13 @@ def check_mesh_shape(shape: Sequence[int], axes: Sequence[str], num_devices: int
     raise ConfigError(f'config.mesh.dcn_shape: {dcn} does not divide the mesh shape {resolved}; '
                       'each axis size must be a multiple of its number of slices')
   return resolved
+
+
+def one_slice(dcn_shape: Optional[Sequence[int]], rank: int) -> tuple:
+  """`dcn_shape`, where it says one slice (empty, or every entry 1, whatever its length:
+  the default (1, 1) on a mesh with a third axis), as one 1 per axis."""
+  dcn = tuple(dcn_shape or ())
+  return (1,) * rank if all(d == 1 for d in dcn) else dcn
 
 
 def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple:
@@ -94,7 +101,7 @@ def make_mesh(shape: Sequence[int], axes: Sequence[str], devices: Optional[Seque
   """
   devices = list(jax.devices() if devices is None else devices)
   shape = resolve_mesh_shape(shape, len(devices))
-  dcn = tuple(dcn_shape) or (1,) * len(shape)
+  dcn = one_slice(dcn_shape, len(shape))
   axis_types = (jax.sharding.AxisType.Auto,) * len(axes)
   if len({d.process_index for d in devices}) == 1 and math.prod(dcn) == 1:
     return jax.make_mesh(shape, tuple(axes), devices=devices, axis_types=axis_types)

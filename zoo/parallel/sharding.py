@@ -15,8 +15,10 @@ import jax
 import numpy as np
 
 MESH_AXES = ('batch', 'model')
-# A mesh axis that mesh.axes may add: rules naming it are left out on a mesh without it.
-OPTIONAL_MESH_AXES = ('expert',)
+# Mesh axes that mesh.axes may add: rules naming one are left out on a mesh without it.
+# 'context' splits sequences (context parallelism, `context_rules`); 'expert' the routed
+# experts (`expert_rules`).
+OPTIONAL_MESH_AXES = ('expert', 'context')
 
 # logical name -> (default mesh axis, meaning). The one table of names zoo uses.
 LOGICAL_AXES = {
@@ -39,7 +41,9 @@ LOGICAL_AXES = {
                      "like 'embed')"),
     # Activations.
     'act_batch': ('batch', 'examples of the global batch (data parallel)'),
-    'act_len': (None, 'sequence positions'),
+    'act_len': (None, "sequence positions (context_rules: split over 'context')"),
+    'act_kv_len': (None, "keys' and values' positions in attention: gathered whole where the "
+                   "queries' are split (context parallelism)"),
     'act_embed': (None, 'model width'),
     'act_mlp': ('model', 'hidden units of an MLP block'),
     'act_heads': ('model', 'attention heads'),
@@ -83,12 +87,42 @@ def expert_rules(rules: Sequence) -> tuple:
   return (('experts', 'expert'), *wider, *rules)
 
 
+def context_rules(rules: Sequence) -> tuple:
+  """`rules` plus context parallelism over a mesh axis 'context' (MaxText's
+  ici_context_parallelism): every activation's sequence ('act_len') split over it, the
+  keys and values of attention gathered whole ('act_kv_len' stays unsplit), and every
+  parameter axis that the rules split over 'batch' (FSDP's) split over 'context' too, so
+  that the axis costs no state memory. The batch itself is not split over it: a global
+  batch need only divide over 'batch'. `for_mesh` adds these on a mesh with a 'context'
+  axis that no rule names."""
+  rules = rules_tuple(rules)
+  wider = [(name, mesh_axes_of(axis) + ('context',)) for name, axis in rules
+           if not name.startswith('act_') and 'batch' in mesh_axes_of(axis)]
+  return (('act_len', 'context'), *wider, *rules)
+
+
+def names_axis(rules: Sequence, mesh_axis: str) -> bool:
+  """Whether some rule maps a logical axis onto `mesh_axis`."""
+  return any(mesh_axis in mesh_axes_of(axis) for _, axis in rules_tuple(rules))
+
+
 def for_mesh(rules: Sequence, mesh_axes: Sequence[str]) -> tuple:
   """`rules` for a mesh with `mesh_axes`: those naming an optional mesh axis
-  (OPTIONAL_MESH_AXES) that it lacks are left out."""
+  (OPTIONAL_MESH_AXES) that it lacks are left out; on a mesh with a 'context' axis that no
+  rule names, `context_rules(rules)`."""
+  rules = rules_tuple(rules)
+  if 'context' in mesh_axes and not names_axis(rules, 'context'):
+    rules = context_rules(rules)
   absent = set(OPTIONAL_MESH_AXES) - set(mesh_axes)
-  return tuple((name, axis) for name, axis in rules_tuple(rules)
+  return tuple((name, axis) for name, axis in rules
                if not absent & set(mesh_axes_of(axis)))
+
+
+def sequence_shards(mesh: Any, rules: Sequence) -> int:
+  """How many blocks the rules split a sequence ('act_len') into on `mesh` (a Mesh or
+  an AbstractMesh): the context-parallel degree."""
+  axes = mesh_axes_of(nn.logical_to_mesh_axes(('act_len',), rules_tuple(rules))[0])
+  return math.prod(dict(mesh.shape).get(a, 1) for a in axes)
 
 
 def rules_tuple(rules: Sequence) -> tuple:

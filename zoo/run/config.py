@@ -15,6 +15,7 @@ from typing import Any, Optional
 import jax
 import ml_collections
 from ml_collections import config_dict
+import numpy as np
 
 from zoo import data, models
 from zoo.data import choice
@@ -454,6 +455,28 @@ def validate_with_data(config: ml_collections.ConfigDict, dataset: Dataset,
   if config.eval.get('choice_tasks') and dataset.encode is None:
     fail('eval.choice_tasks', f'multiple-choice tasks score text, but {config.data.name!r} data '
          'has no tokenizer; train a language model on text or tokens')
+
+
+def validate_sequence_split(task: tasks.Task, example: dict, mesh: jax.sharding.Mesh,
+                            rules: tuple) -> None:
+  """Where the rules split sequences over the mesh (context parallelism), the task's inputs
+  are sequences whose lengths split evenly: into 2 x shards chunks where its batches are
+  fed load-balanced (zoo.parallel.context), else into shards."""
+  shards = sharding.sequence_shards(mesh, rules)
+  if shards <= 1:
+    return
+  if not task.sequences or task.name == 'grpo':
+    fail('mesh.axes', f'the rules split sequences over {shards} devices (context '
+         f'parallelism), which trains language models and seq2seq models; this run\'s task '
+         f'is {task.name}: leave the context axis out of mesh.axes or give it size 1')
+  need = 2 * shards if task.balanced else shards
+  for name, value in sorted(example.items()):
+    if np.ndim(value) >= 2 and np.issubdtype(np.asarray(value).dtype, np.integer) and (
+        np.shape(value)[-1] % need):
+      fail('data.seq_len', f'the batch field {name!r} has {np.shape(value)[-1]} positions, '
+           f'which do not split into {need} equal blocks for the {shards} devices the sequence '
+           f'is split over (context parallelism{", load-balanced" if task.balanced else ""}); '
+           f'use a multiple of {need}')
 
 
 def validate_shardings(param_rows: list, mesh: jax.sharding.Mesh, rules: tuple) -> None:

@@ -30,7 +30,7 @@ from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError
 from zoo.models.family import ModelFamily
 from zoo.parallel import mesh as mesh_lib
-from zoo.parallel import sharding
+from zoo.parallel import context, sharding
 from zoo.run import config as cfg
 from zoo.run import optim, steps, tasks
 
@@ -53,6 +53,9 @@ class Setup:
   state_shardings: steps.TrainState  # A NamedSharding per leaf of the state.
   rng: jax.Array                # The run's key, for initialisation (dropout: steps.dropout_key).
   batch: dict                   # A global train batch's shapes and sharding (ShapeDtypeStructs).
+  # A local batch as the devices take it: in context parallelism's load-balanced order
+  # where the task's batches can be (zoo.parallel.context), else as it is.
+  arrange: Callable[[dict], dict] = None
   choice_tasks: tuple = ()      # Multiple-choice tasks evaluated in the loop (zoo.data.choice).
   trainable: steps.Trainable = None  # LoRA: only the adapters train (zoo.models.lora).
   # The jitted programs of this build (see `jit`), shared by every Setup that `build`
@@ -75,7 +78,7 @@ class Setup:
     """A global eval batch's shapes and sharding (ShapeDtypeStructs), from one row."""
     size = self.config.eval.batch_size
     example = next(iter(self.dataset.eval_batches(size, slice(0, 1))))
-    example = {**self.task.train_example(example), 'weights': example['weights']}
+    example = self.arrange({**self.task.train_example(example), 'weights': example['weights']})
     return {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=self.batch_sharding)
             for k, v in example.items()}
 
@@ -177,7 +180,10 @@ def _build(config: ml_collections.ConfigDict, dataset: Dataset, family: ModelFam
   optimizer, lr_schedule = optim.make_optimizer(config.train.steps, **config.optimizer)
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(sharding.batch_mesh_axes(rules) or None))
-  example = task.train_example(example)
+  shards = sharding.sequence_shards(mesh, rules)
+  arrange = (functools.partial(context.balance, shards=shards) if task.balanced and shards > 1
+             else _as_is)
+  example = arrange(task.train_example(example))
   size = config.train.batch_size
   batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
            for k, v in example.items()}
@@ -191,7 +197,11 @@ def _build(config: ml_collections.ConfigDict, dataset: Dataset, family: ModelFam
   return dict(task=task, model=model, optimizer=optimizer, lr_schedule=lr_schedule,
               batch_sharding=batch_sharding, init_state=init_state, logical_state=logical_state,
               state_shardings=sharding.logical_shardings(logical_state, mesh, rules),
-              rng=rng, batch=batch, trainable=trainable, programs={})
+              rng=rng, batch=batch, arrange=arrange, trainable=trainable, programs={})
+
+
+def _as_is(batch: dict) -> dict:
+  return batch
 
 
 def _unboxed(init_state: Callable, rng: jax.Array) -> steps.TrainState:
@@ -250,6 +260,11 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
   batch rows are checked too (ConfigError if they do not fit). Writes nothing."""
   dataset = data.load(config.data, config.seed)
   cfg.validate_with_data(config, dataset, plan)
+  shape = mesh_lib.resolve_mesh_shape(config.mesh.shape, len(devices or jax.devices()))
+  cfg.validate_sequence_split(tasks.make(dataset.task, config),
+                              dataset.train_batch(0, 1, slice(0, 1)),
+                              jax.sharding.AbstractMesh(shape, tuple(config.mesh.axes)),
+                              sharding.for_mesh(config.logical_axis_rules, config.mesh.axes))
   setup = build(config, dataset, devices=devices)
   with setup.scope():
     cfg.validate_shardings(setup.param_table(), setup.mesh, setup.rules)

@@ -43,6 +43,9 @@ class Task:
   inputs = ('inputs',)
   keywords: dict[str, str] = {}  # Batch field -> the model's keyword argument.
   sequences = False   # Targets are token sequences: a train step trains on every token.
+  # Its batches may be fed in context parallelism's load-balanced order (the sequence
+  # permuted with each token's position, zoo.parallel.context): the loss is order-free.
+  balanced = False
 
   def model_inputs(self, batch: dict) -> list:
     return [batch[k] for k in self.inputs]
@@ -124,6 +127,7 @@ class LanguageModel(Task):
   # (zoo.models.layers.token_losses).
   keywords = {'segments': 'segments_BL', 'positions': 'positions_BL', 'targets': 'targets_BL'}
   sequences = True
+  balanced = True
 
   def token_stats(self, out: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
     return out['loss'], out['correct']
@@ -231,6 +235,7 @@ class Preference(LanguageModel):
   logps/rejected (the policy's summed log-probabilities).
   """
   name = 'dpo'
+  balanced = False  # Rows [B, 2, L]: not laid out for context parallelism.
 
   def __init__(self, beta: float = 0.1, loss: str = 'sigmoid', label_smoothing: float = 0.0):
     self.beta, self.loss, self.label_smoothing = beta, loss, label_smoothing
@@ -320,6 +325,7 @@ class PolicyGradient(LanguageModel):
   Figures (means over the completion tokens): kl, entropy, clip_ratio/low, /high, /region.
   """
   name = 'grpo'
+  balanced = False  # Its batches are its rollouts', sampled in place.
 
   def __init__(self, temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: float = 0.0,
                beta: float = 0.0, loss: str = 'dapo', importance: str = 'token',

@@ -147,7 +147,7 @@ def evaluate(eval_step: Callable, state: steps.TrainState, setup: setup_lib.Setu
   for name, batches in parts.items():
     sums = None
     for batch in feed.eval_batches(batches, setup.batch_sharding, config.eval.batch_size,
-                                   config.eval.max_batches):
+                                   config.eval.max_batches, setup.arrange):
       out = eval_step(state, batch)
       sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
     sums = jax.device_get(sums)
@@ -239,7 +239,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
     source = rollouts.make(setup)  # GRPO: batches sampled from the policy itself.
     if source is None:
       train_batches = feed.TrainBatches(setup.dataset, setup.batch_sharding,
-                                        config.train.batch_size, start)
+                                        config.train.batch_size, start, setup.arrange)
       cleanup.callback(train_batches.close)
       batches = feed.Prefetch(train_batches, start, total, config.data.prefetch)
       cleanup.callback(batches.close)

@@ -1,0 +1,48 @@
+"""Context parallelism's load-balanced layout of a sequence.
+
+Where the rules split the sequence over `shards` devices (a 'context' mesh axis,
+zoo.parallel.sharding.context_rules), causal attention would leave the device with the
+first block of positions almost idle (its queries see few keys) and the last one with most
+of the work. So, as MaxText, Megatron and torchtitan do, each row is cut into 2 x shards
+chunks and device i holds chunks i and 2 x shards - 1 - i: every device then has the same
+number of (query, key) pairs to compute. The permutation is applied once, on the host, to
+every field of a batch that runs along the sequence, and each token's position travels
+with it (`positions`): attention's masks and rotary positions follow the positions, not the
+order (zoo.models.attention), and the mean loss does not depend on the order, so the
+numbers are those of the unpermuted batch.
+"""
+import numpy as np
+
+from zoo.errors import fail
+
+
+def balanced_order(length: int, shards: int) -> np.ndarray:
+  """The positions [length] in the order the devices hold them: for each shard i in turn,
+  chunk i then chunk 2 * shards - 1 - i of 2 * shards equal chunks."""
+  if shards <= 1:
+    return np.arange(length)
+  if length % (2 * shards):
+    fail('data.seq_len', f'a sequence of {length} positions does not split into 2 x {shards} '
+         f'equal chunks for the {shards} devices it is split over (context parallelism, '
+         f'load-balanced); use a multiple of {2 * shards}')
+  chunks = np.arange(length).reshape(2 * shards, -1)
+  return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]])
+                         for i in range(shards)])
+
+
+def balance(batch: dict, shards: int) -> dict:
+  """`batch` (a language model's: inputs, targets and those of mask, segments, positions and
+  bytes it has, each [rows, length]) with every field that runs along the sequence permuted
+  into the balanced order, and `positions` (int32; the batch's own, packed documents', or
+  0..length-1) permuted with them. `shards` <= 1: unchanged."""
+  if shards <= 1:
+    return batch
+  rows, length = batch['inputs'].shape[:2]
+  order = balanced_order(length, shards)
+  out = dict(batch)
+  if 'positions' not in out:
+    out['positions'] = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))
+  for name, value in out.items():
+    if np.ndim(value) >= 2 and np.shape(value)[:2] == (rows, length):
+      out[name] = np.take(np.asarray(value), order, axis=1)
+  return out
