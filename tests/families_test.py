@@ -135,6 +135,28 @@ def test_imported_logits_equal_transformers_on_a_mesh(name, families, devices):
   assert np.abs(want).max() > 1.0  # Logits large enough that a missing switch shows.
 
 
+def test_scaled_rope_past_the_original_context_equals_transformers(families, tmp_path, devices):
+  """Context extension: Llama 3's scaling (trained on 32 positions) and YaRN (a Qwen2 of
+  16 original positions, factor 4, its attention factor) imported, logits within 1e-4 of
+  transformers' over 48 positions, past both original contexts."""
+  del devices
+  x = _tokens(length=48)
+  _, llama, workdir, placed = families['llama3']
+  np.testing.assert_allclose(_zoo_logits(placed, workdir, x), _hf_logits(llama, x), **LOGITS)
+  torch.manual_seed(0)
+  yarn = _widen(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+      **_B, num_hidden_layers=2, rope_parameters={
+          'rope_type': 'yarn', 'rope_theta': 10000.0, 'factor': 4.0,
+          'original_max_position_embeddings': 16})).eval())
+  yarn.save_pretrained(tmp_path / 'yarn')
+  tokenizer_lib.bytes_tokenizer().save(str(tmp_path / 'yarn' / 'tokenizer.json'))
+  setup = transfer.import_model(str(tmp_path / 'yarn'), str(tmp_path / 'run'))
+  assert setup.config.model.rope_scaling == 'yarn' and setup.config.model.rope_factor == 4.0
+  want = _hf_logits(yarn, x)
+  np.testing.assert_allclose(_zoo_logits(setup, str(tmp_path / 'run'), x), want, **LOGITS)
+  assert np.abs(want).max() > 1.0
+
+
 @pytest.mark.parametrize('name', NAMES)
 def test_greedy_decoding_through_the_cache_equals_generate(name, families, devices):
   """Prompts of 9 and 3 bytes and 16 new tokens (past the window of 4): the cached prefill and
@@ -203,8 +225,8 @@ def _edited(hf_dir, tmp_path, edit):
      r"this qwen3 model uses attention_bias=True"),
     ('gemma2', lambda c: c.update(layer_types=['full_attention', 'sliding_attention'] * 2),
      r"this gemma2 model uses layer_types='a pattern other than every n-th layer global'"),
-    ('llama3', lambda c: c['rope_parameters'].update(rope_type='yarn'),
-     r"this llama model uses rope_type='yarn'"),
+    ('llama3', lambda c: c['rope_parameters'].update(rope_type='longrope'),
+     r"this llama model uses rope_type='longrope'"),
     ('gemma', lambda c: c.update(hidden_activation='relu'),
      r"this gemma model uses hidden_act='relu'"),
     ('mistral', lambda c: c.update(model_type='olmoe'),

@@ -219,6 +219,18 @@ def _rope(c: dict, model_type: str, kind: str = '') -> dict:
             'rope_high_freq_factor': float(merged.get('high_freq_factor', 4.0)),
             'rope_original_max_len': int(merged.get('original_max_position_embeddings')
                                          or c['max_position_embeddings'])}
+  if kind_of == 'yarn':
+    for key in ('mscale', 'mscale_all_dim'):  # DeepSeek's attention factor: not here.
+      if merged.get(key):
+        _refuse({f'rope_parameters.{key}': merged[key]}, model_type)
+    if merged.get('truncate', True) is not True:
+      _refuse({'rope_parameters.truncate': merged['truncate']}, model_type)
+    original = int(merged.get('original_max_position_embeddings') or c['max_position_embeddings'])
+    return {'rope_theta': theta, 'rope_scaling': 'yarn', 'rope_original_max_len': original,
+            'rope_factor': float(merged.get('factor') or c['max_position_embeddings'] / original),
+            'rope_beta_fast': float(merged.get('beta_fast') or 32.0),
+            'rope_beta_slow': float(merged.get('beta_slow') or 1.0),
+            'rope_attention_factor': float(merged.get('attention_factor') or 0.0)}
   _refuse({'rope_type': kind_of}, model_type)
   return {}
 
@@ -234,6 +246,12 @@ def _rope_to_hf(m: dict, local: bool = False) -> dict:
                low_freq_factor=m['rope_low_freq_factor'],
                high_freq_factor=m['rope_high_freq_factor'],
                original_max_position_embeddings=m['rope_original_max_len'])
+  elif m.get('rope_scaling') == 'yarn':
+    out.update(rope_type='yarn', factor=m['rope_factor'], beta_fast=m['rope_beta_fast'],
+               beta_slow=m['rope_beta_slow'],
+               original_max_position_embeddings=m['rope_original_max_len'])
+    if m.get('rope_attention_factor'):
+      out['attention_factor'] = m['rope_attention_factor']
   return out
 
 

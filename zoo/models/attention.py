@@ -220,11 +220,12 @@ class Attention(nn.Module):
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
     if self.rotary:
-      frequencies = self.rope.frequencies(self.head_dim)
+      frequencies, turned = self.rope.frequencies(self.head_dim), self.rope.scale()
       if self.local_rope is not None:
         frequencies = _select(local, self.local_rope.frequencies(self.head_dim), frequencies)
-      q_BLNH = rope_lib.rotate(q_BLNH, positions_BL, frequencies)
-      k_BMGH = rope_lib.rotate(k_BMGH, positions_BL, frequencies)
+        turned = turned if turned == 1.0 else _select(local, self.local_rope.scale(), turned)
+      q_BLNH = rope_lib.rotate(q_BLNH, positions_BL, frequencies, turned)
+      k_BMGH = rope_lib.rotate(k_BMGH, positions_BL, frequencies, turned)
     mask, causal = None, self.causal
     scale = (self.query_scale_dim or self.head_dim) ** -0.5
     if self.decode:  # XLA's, over the whole cache: its mask is causal.

@@ -26,8 +26,8 @@ mesh axis (Megatron-LM, arXiv:1909.08053). The switches every Transformer family
   output normalised too: Gemma 2, 3), `embed_scale` (embeddings times sqrt(d_model):
   Gemma), `query_scale_dim` (scores scaled by its inverse square root), `attn_softcap` and
   `final_softcap` (Gemma 2), `sliding_window` with `global_every` (local layers: Mistral,
-  Gemma 2, 3; zoo.models.attention), `rope_scaling` 'linear' or 'llama3' with its
-  factors, and `rope_local_theta` (local layers' own rotary base: Gemma 3); GPT-2, Llama,
+  Gemma 2, 3; zoo.models.attention), `rope_scaling` 'linear', 'llama3' or 'yarn' with its
+  factors (zoo.models.rope), and `rope_local_theta` (local layers' own rotary base: Gemma 3); GPT-2, Llama,
   Mistral, Qwen2/3, Gemma 1-3 and HF's ViT are settings of these (zoo.hf.layouts);
 - `lora`: low-rank adapters on the projections it names (zoo.models.lora);
 - routed experts in place of the MLPs (`transformer_lm`'s `num_experts` and friends,
@@ -95,11 +95,14 @@ class Transformer(nn.Module):
   mlp_activation: str = 'gelu'
   use_bias: bool = False
   rope_theta: float = 10000.0
-  rope_scaling: str = 'none'     # 'linear' or 'llama3': the global layers' frequencies.
+  rope_scaling: str = 'none'     # 'linear', 'llama3' or 'yarn': the global layers' frequencies.
   rope_factor: float = 1.0
   rope_low_freq_factor: float = 1.0   # llama3's ramp, over wavelengths of
   rope_high_freq_factor: float = 4.0  # rope_original_max_len / these.
   rope_original_max_len: int = 0
+  rope_beta_fast: float = 32.0   # yarn: the ramp's ends, in rotations over
+  rope_beta_slow: float = 1.0    # rope_original_max_len.
+  rope_attention_factor: float = 0.0  # yarn: rotated queries' and keys' scale; 0: 0.1 ln(f) + 1.
   rope_local_theta: float = 0.0  # Local layers' own base, unscaled (Gemma 3); 0: as global.
   qkv_bias: bool = False
   qk_norm: bool = False
@@ -154,15 +157,20 @@ def check_config(m: ml_collections.ConfigDict) -> None:
          f'rotary positions need an even head size, got model.head_dim = {head}')
   if not 0 <= m.get('dropout_rate', 0.0) < 1:
     fail('model.dropout_rate', f'must be in [0, 1), got {m.dropout_rate}')
-  for key in ('norm_epsilon', 'rope_theta', 'rope_factor'):
+  for key in ('norm_epsilon', 'rope_theta', 'rope_factor', 'rope_beta_fast', 'rope_beta_slow'):
     if key in m and not 0 < m[key] < float('inf'):
       fail(f'model.{key}', f'must be positive, got {m[key]}')
-  for key in ('attn_softcap', 'final_softcap', 'rope_local_theta'):
+  for key in ('attn_softcap', 'final_softcap', 'rope_local_theta', 'rope_attention_factor'):
     if key in m and not 0 <= m[key] < float('inf'):
       fail(f'model.{key}', f'must be 0 (none) or a positive number, got {m[key]}')
   if m.get('rope_scaling', 'none') not in rope_lib.SCALINGS:
     fail('model.rope_scaling', f'unknown scaling {m.rope_scaling!r}; known: '
          f'{", ".join(rope_lib.SCALINGS)}')
+  if m.get('rope_scaling') == 'yarn' and not (
+      m.get('rope_original_max_len', 0) > 0 and m.get('rope_factor', 1.0) >= 1
+      and m.get('rope_beta_slow', 1.0) < m.get('rope_beta_fast', 32.0)):
+    fail('model.rope_scaling', "'yarn' needs rope_original_max_len > 0, rope_factor >= 1 and "
+         'rope_beta_slow < rope_beta_fast')
   if m.get('rope_scaling') == 'llama3' and not (
       m.get('rope_original_max_len', 0) > 0
       and 0 < m.get('rope_low_freq_factor', 1.0) < m.get('rope_high_freq_factor', 4.0)):
@@ -236,7 +244,8 @@ class Spec:
     direct = {f.name for f in dataclasses.fields(cls)} - {'rope', 'local_rope', 'moe'}
     global_rope = rope_lib.Rope(
         module.rope_theta, module.rope_scaling, module.rope_factor, module.rope_low_freq_factor,
-        module.rope_high_freq_factor, module.rope_original_max_len)
+        module.rope_high_freq_factor, module.rope_original_max_len, module.rope_beta_fast,
+        module.rope_beta_slow, module.rope_attention_factor)
     local_rope = rope_lib.Rope(module.rope_local_theta) if module.rope_local_theta else None
     moe = getattr(module, 'moe', moe_lib.Moe())  # The families that have routed experts.
     return cls(rope=global_rope, local_rope=local_rope, moe=moe,
