@@ -9,6 +9,10 @@ Expect: 2.22 held-out bits per character (the corpus's unigram entropy is 4.69) 
 from spaces to word-like text with code punctuation. `:smoke`: seconds, ~4 bits/char.
 `:fsdp` (or `:smoke,fsdp`) shards parameters and optimizer state over 'batch' as well.
 
+`:long` trains on 1,024 characters of context (8x) with context parallelism: the sequence
+split over every device on a 'context' mesh axis, 4 rows a step (as many tokens as the base);
+`--cpu_devices=8` emulates 8 devices (docs/meshes.md, context parallelism).
+
 `:100m` and `:1b` are GPT-sized decoders (86M and 1.0B parameters; bf16 compute, 1,024
 characters of context, scanned layers) for measuring throughput and MFU on an
 accelerator: this corpus is far too small to train them well. Plan one before running it:
@@ -23,9 +27,9 @@ from zoo.run.config import base_config, model_config
 
 def get_config(arg=None):
   variants = set(arg.split(',')) if arg else set()
-  if variants - {'smoke', 'fsdp', '100m', '1b'} or {'100m', '1b'} <= variants:
-    raise ValueError(f'unknown variant {arg!r} of char_lm; known: smoke, fsdp (e.g. smoke,fsdp), '
-                     '100m, 1b')
+  if variants - {'smoke', 'fsdp', 'long', '100m', '1b'} or len(variants & {'long', '100m', '1b'}) > 1:
+    raise ValueError(f'unknown variant {arg!r} of char_lm; known: smoke, fsdp, long (e.g. '
+                     'smoke,long), 100m, 1b')
   c = base_config()
   # Every transformer_lm field is a key here (model_config: those left out keep the module's
   # defaults), so a command line sets any of them: a Llama-shaped run is rotary, rms, swiglu,
@@ -72,6 +76,13 @@ def get_config(arg=None):
     c.optimizer.warmup_steps = 30
     c.eval.every_steps = c.checkpoint.every_steps = 300
     c.eval.batch_size = 16
+  if 'long' in variants:           # 8x the context, split over a 'context' axis.
+    c.model.update(max_len=1024, positions='rotary')
+    c.data.seq_len = 1024
+    c.mesh.axes = ('batch', 'context', 'model')
+    c.mesh.shape = (1, -1, 1)      # Every device on 'context': 8 x 128 positions on 8.
+    c.train.batch_size = 4         # Fewer rows than devices; as many tokens as the base.
+    c.eval.batch_size = 8
   if '100m' in variants:           # 12 x (4 x 768^2 + 2 x 768 x 3072) = 85M in the blocks.
     c.model.update(num_layers=12, d_model=768, num_heads=12, mlp_dim=3072, remat='dots_no_batch')
     c.train.batch_size = 32
@@ -83,8 +94,7 @@ def get_config(arg=None):
     c.model.d_model = 64
     c.model.num_heads = 8
     c.model.mlp_dim = 128
-    c.model.max_len = 32
-    c.data.seq_len = 32
+    c.model.max_len = c.data.seq_len = 256 if 'long' in variants else 32
     c.train.steps = 80
     c.train.batch_size = 16
     c.train.log_every_steps = 10

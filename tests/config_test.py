@@ -6,6 +6,7 @@ import re
 import pytest
 
 from conftest import experiment, load_config, run_cli
+from zoo import data
 from zoo.errors import ConfigError, NonFiniteError, ZooError
 from zoo.parallel import sharding
 from zoo.run import train
@@ -92,6 +93,17 @@ def test_text_too_short_for_seq_len(tmp_path, devices):
     train.train_and_evaluate(load_config('char_lm', **{'data.path': str(tmp_path / 'tiny.txt')}),
                              str(tmp_path / 'run'))
   assert not (tmp_path / 'run').exists()
+
+
+def test_a_plan_needs_only_the_texts_shapes(tmp_path):
+  """--dry_run compiles for shapes alone: a text too short for one window (above) is
+  repeated until each split holds one (a pod's 131k-token plan on the shipped text)."""
+  (tmp_path / 'tiny.txt').write_text('hello world, ' * 20)
+  config = load_config('char_lm', **{'data.path': str(tmp_path / 'tiny.txt')})
+  dataset = data.load(config.data, config.seed, plan=True)
+  shape = (2, config.data.seq_len)
+  assert dataset.train_batch(0, 2, slice(0, 2))['inputs'].shape == shape
+  assert next(iter(dataset.eval_batches(2, slice(0, 2))))['targets'].shape == shape
 
 
 def test_batch_axes_follow_flax_first_matching_rule():

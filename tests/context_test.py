@@ -5,13 +5,14 @@ windows and routed experts; the rules, the order and the checks."""
 import functools
 import math
 import re
+import shutil
 
 import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
-from conftest import trainer
+from conftest import load_config, read_metrics, stop_at, trainer
 from zoo.errors import ConfigError
 from zoo.models import transformer_lm
 from zoo.parallel import context, sharding
@@ -162,3 +163,38 @@ def test_a_context_mesh_trains_the_batch_that_divides_over_batch_alone(devices):
   with pytest.raises(ConfigError, match=r'^config\.mesh\.axes: the rules split sequences over 4 '
                      r'devices .* task is classification'):
     cfg.validate_sequence_split(tasks.Task(), {}, mesh, rules)
+
+
+def _losses(workdir):
+  return {r['step']: r['train/loss'] for r in read_metrics(workdir) if 'train/loss' in r}
+
+
+def test_a_context_run_resumes_exactly_and_moves_off_the_axis_and_back(tmp_path, monkeypatch,
+                                                                        devices):
+  """char_lm:smoke,long (64 positions over 'context') stopped during step 2 and resumed
+  on its mesh: every loss equals a straight run's exactly; moved instead to a mesh without
+  a context axis for steps 3-4 and back onto one for 5-6, it trains on within float32
+  rounding."""
+  del devices
+  from zoo.run import train  # pylint: disable=import-outside-toplevel
+  steps = {'train.steps': 6, 'train.log_every_steps': 1, 'eval.every_steps': 6,
+           'checkpoint.every_steps': 6, 'checkpoint.async_save': False,
+           'mesh.shape': (2, 4, 1), 'train.batch_size': 2, 'eval.max_batches': 1,
+           'eval.sample': False, 'data.seq_len': 64, 'model.max_len': 64}
+  run = lambda workdir, **more: train.train_and_evaluate(
+      load_config('char_lm', 'smoke,long', **{**steps, **more}), str(tmp_path / workdir))
+  run('straight')
+  stop_at(monkeypatch, 2)
+  run('resumed')
+  shutil.copytree(tmp_path / 'resumed', tmp_path / 'moved')
+  monkeypatch.undo()
+  run('resumed')
+  want = _losses(tmp_path / 'straight')
+  assert _losses(tmp_path / 'resumed') == want and sorted(want) == list(range(1, 7))
+  stop_at(monkeypatch, 4)
+  run('moved', **{'mesh.axes': ('batch', 'model'), 'mesh.shape': (2, 4)})
+  monkeypatch.undo()
+  run('moved')
+  moved = _losses(tmp_path / 'moved')
+  np.testing.assert_allclose([moved[s] for s in range(3, 7)], [want[s] for s in range(3, 7)],
+                             rtol=2e-5)

@@ -21,6 +21,8 @@ DATASETS: dict[str, DataSource] = {
 }
 
 
-def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
-  """The dataset named by `data_config.name`."""
-  return DATASETS[data_config.name].load(data_config, seed)
+def load(data_config: ml_collections.ConfigDict, seed: int, plan: bool = False) -> Dataset:
+  """The dataset named by `data_config.name`; for a `plan` (shapes only), its source's
+  `plan_load` where it has one."""
+  source = DATASETS[data_config.name]
+  return (source.plan_load if plan and source.plan_load else source.load)(data_config, seed)

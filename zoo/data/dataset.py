@@ -85,6 +85,9 @@ class DataSource:
   task: Optional[str]
   # (config.data) -> None: checks its own fields before loading; raises through errors.fail.
   check_config: Callable[[ml_collections.ConfigDict], None] = _no_check
+  # (config.data, seed) -> a Dataset of the shapes a plan (--dry_run) compiles for, where
+  # the data at hand need not hold a batch (a pod's 131k-token windows); None: `load`.
+  plan_load: Optional[Callable[[ml_collections.ConfigDict, int], Dataset]] = None
 
 
 def read_metadata(path: str, fmt: str, versions: tuple[int, ...], kind: str,
