@@ -3,21 +3,25 @@ values gathered, each row fed in the load-balanced order; the loss and gradients
 device's on every mesh, with packed documents, grouped-query attention, soft caps, sliding
 windows and routed experts; the rules, the order and the checks."""
 import functools
+import importlib.util
 import math
+import os
 import re
 import shutil
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
-from conftest import load_config, read_metrics, stop_at, trainer
+from conftest import REPO, experiment, load_config, read_metrics, stop_at, trainer
 from zoo.errors import ConfigError
 from zoo.models import transformer_lm
 from zoo.parallel import context, sharding
 from zoo.parallel import mesh as mesh_lib
-from zoo.run import config as cfg, tasks
+from zoo.run import config as cfg, plan, tasks
 
 B, L, V = 4, 32, 61
 BASE = dict(num_layers=2, d_model=48, num_heads=4, mlp_dim=64, vocab_size=V, max_len=L,
@@ -154,6 +158,9 @@ def test_a_context_mesh_trains_the_batch_that_divides_over_batch_alone(devices):
   plain = trainer('char_lm', **tiny, **{'mesh.shape': (2, 4)})
   assert split.batch(0)['positions'].shape == (2, 16)
   np.testing.assert_allclose(split.run(3), plain.run(3), rtol=2e-5)
+  assert ("sequence: 16 positions split 4 ways over ('context',), 4 per device; keys and values "
+          'gathered in attention, rows fed load-balanced (8 chunks') in plan.format_plan(
+              plan.make_plan(split.config))
   task, axes = split.setup.task, ('batch', 'context', 'model')
   mesh = jax.sharding.AbstractMesh((1, 4, 2), axes)
   rules = sharding.for_mesh(sharding.standard_rules(), axes)
@@ -198,3 +205,23 @@ def test_a_context_run_resumes_exactly_and_moves_off_the_axis_and_back(tmp_path,
   moved = _losses(tmp_path / 'moved')
   np.testing.assert_allclose([moved[s] for s in range(3, 7)], [want[s] for s in range(3, 7)],
                              rtol=2e-5)
+
+
+@pytest.mark.skipif(not importlib.util.find_spec('jax_cuda12_plugin'),
+                    reason="needs JAX's CUDA plugin ('.[cuda12]')")
+def test_an_h100_host_compiles_a_context_parallel_step():
+  """h100-8, compile-only: char_lm:smoke in bfloat16 over batch 2 x context 4; the plan
+  names XLA's attention in each layer (cuDNN's partitioner takes no split sequence) and the
+  collectives: keys and values gathered over 'context', their gradients reduce-scattered."""
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  result = subprocess.run(
+      [sys.executable, '-m', 'zoo.main', '--dry_run', '--topology=h100-8',
+       f'--config={experiment("char_lm")}:smoke', "--config.mesh.axes=('batch','context','model')",
+       '--config.mesh.shape=(2,4,1)', '--config.model.dtype=bfloat16',
+       '--config.data.seq_len=256', '--config.model.max_len=256'],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = result.stdout
+  assert re.search(r'xla +block_0/attn, block_1/attn \(not its kernel: .*split the sequence', out)
+  assert re.search(r'all-gather +\d+ x, groups of 4 \(context\)', out), out[-1500:]
+  assert re.search(r'reduce-scatter +\d+ x, groups of 4 \(context\)', out), out[-1500:]

@@ -18,6 +18,7 @@ import re
 import time
 from typing import Any, Optional
 
+import flax.linen as nn
 import jax
 import ml_collections
 
@@ -203,6 +204,7 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
       'hosts': {'processes': len(rows), 'devices_per_process': setup.mesh.size // len(rows),
                 'rows': {p: [r.start, r.stop] for p, r in rows.items()}},
       'params': setup.param_table(), 'bytes_per_device': held,
+      'sequence': _sequence(setup),
       'attention': {'requested': config.model.get('attention'), 'layers': chosen},
       'loss': _loss_held(setup), 'experts': _experts_held(setup),
       'compiled_memory': train.memory, 'eval_memory': evaluate.memory,
@@ -250,6 +252,26 @@ def _hosts(p: dict) -> list[str]:
   shown = ', '.join(spans[:8]) + (f', ... {spans[-1]}' if len(spans) > 8 else '')
   return [f'hosts: {hosts["processes"]} processes x {hosts["devices_per_process"]} devices; '
           f'rows of the global batch each feeds: {shown}']
+
+
+def _sequence(setup: setup_lib.Setup) -> Optional[dict]:
+  """How the rules split a train batch's sequence (context parallelism); None: whole."""
+  shards = sharding.sequence_shards(setup.mesh, setup.rules)
+  if shards <= 1 or 'inputs' not in setup.batch:
+    return None
+  axes = sharding.mesh_axes_of(nn.logical_to_mesh_axes(('act_len',), setup.rules)[0])
+  return {'length': setup.batch['inputs'].shape[-1], 'shards': shards, 'axes': list(axes),
+          'balanced': setup.task.balanced}
+
+
+def _sequence_lines(p: dict) -> list[str]:
+  s = p.get('sequence')
+  if not s:
+    return []
+  return [f"sequence: {s['length']:,} positions split {s['shards']} ways over {tuple(s['axes'])}, "
+          f"{s['length'] // s['shards']:,} per device; keys and values gathered in attention"
+          + (f", rows fed load-balanced ({2 * s['shards']} chunks, zoo.parallel.context)"
+             if s['balanced'] else '')]
 
 
 def _memory_lines(p: dict) -> list[str]:
@@ -366,7 +388,7 @@ def format_plan(p: dict) -> str:
   compiled = (f'the train step compiled in {p["compile_s"]:.1f} s, the eval step in '
               f'{p["eval_compile_s"]:.1f} s')
   lines = [f'mesh {p["mesh"]} on {p["devices"]} {p["platform"]} devices{on}; {compiled}', '',
-           sharding.format_param_table(p['params']), '', *_hosts(p),
+           sharding.format_param_table(p['params']), '', *_hosts(p), *_sequence_lines(p),
            *_attention_lines(p), *_loss_lines(p), *_experts_lines(p), 'per device:']
   held = p['bytes_per_device']
   for key, label in (('params', 'parameters'), ('optimizer', 'optimizer state'),

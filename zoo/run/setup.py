@@ -35,6 +35,10 @@ from zoo.run import config as cfg
 from zoo.run import optim, steps, tasks
 
 
+def _as_is(batch: dict) -> dict:
+  return batch
+
+
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """A config placed on a mesh: everything but the arrays."""
@@ -55,7 +59,7 @@ class Setup:
   batch: dict                   # A global train batch's shapes and sharding (ShapeDtypeStructs).
   # A local batch as the devices take it: in context parallelism's load-balanced order
   # where the task's batches can be (zoo.parallel.context), else as it is.
-  arrange: Callable[[dict], dict] = None
+  arrange: Callable[[dict], dict] = _as_is
   choice_tasks: tuple = ()      # Multiple-choice tasks evaluated in the loop (zoo.data.choice).
   trainable: steps.Trainable = None  # LoRA: only the adapters train (zoo.models.lora).
   # The jitted programs of this build (see `jit`), shared by every Setup that `build`
@@ -198,10 +202,6 @@ def _build(config: ml_collections.ConfigDict, dataset: Dataset, family: ModelFam
               batch_sharding=batch_sharding, init_state=init_state, logical_state=logical_state,
               state_shardings=sharding.logical_shardings(logical_state, mesh, rules),
               rng=rng, batch=batch, arrange=arrange, trainable=trainable, programs={})
-
-
-def _as_is(batch: dict) -> dict:
-  return batch
 
 
 def _unboxed(init_state: Callable, rng: jax.Array) -> steps.TrainState:
