@@ -218,7 +218,7 @@ def _broken(hf_dir, tmp_path, how):
   elif how == 'bert':
     config['model_type'] = 'bert'
   elif how == 'rope_scaling':
-    config['rope_scaling'] = {'rope_type': 'yarn', 'factor': 4.0}
+    config['rope_scaling'] = {'rope_type': 'longrope', 'factor': 4.0}  # YaRN is imported.
   elif how == 'shapes':
     config['intermediate_size'] = 128
   elif how in ('missing', 'extra'):
@@ -244,7 +244,7 @@ def _broken(hf_dir, tmp_path, how):
     ('no_weights', r'--hf_dir: .* has no model\.safetensors or model\.safetensors\.index\.json'),
     ('bert', r"--hf_dir: model_type 'bert' is not supported; supported: gemma, gemma2, "
              r'gemma3_text, gpt2, llama, mistral, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe, vit'),
-    ('rope_scaling', r"--hf_dir: this llama model uses rope_type='yarn', which zoo does not "
+    ('rope_scaling', r"--hf_dir: this llama model uses rope_type='longrope', which zoo does not "
                      r'implement'),
     ('missing', r'--hf_dir: the weights do not fit config\.json: missing tensors: '
                 r'model\.layers\.1\.mlp\.up_proj\.weight'),

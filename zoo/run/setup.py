@@ -258,7 +258,8 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
   """The Setup of a config that config.validate passed, on `devices` (default: all), once
   its data (for a `plan`, but its size), its parameters' shardings and every process's
   batch rows are checked too (ConfigError if they do not fit). Writes nothing."""
-  dataset = data.load(config.data, config.seed, plan)
+  dataset = data.load(config.data, config.seed, plan=True) if plan else data.load(config.data,
+                                                                                 config.seed)
   cfg.validate_with_data(config, dataset, plan)
   shape = mesh_lib.resolve_mesh_shape(config.mesh.shape, len(devices or jax.devices()))
   cfg.validate_sequence_split(tasks.make(dataset.task, config),
