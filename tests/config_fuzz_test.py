@@ -14,6 +14,7 @@ shares. Every field of every experiment has bad values tried somewhere, and can 
 from the command line (the last two tests).
 """
 import atexit
+import dataclasses
 import functools
 import json
 import math
@@ -27,7 +28,8 @@ import pytest
 
 from config_test import _parse_flags
 from conftest import REPO, experiment, load_config
-from zoo import data
+from zoo import data, models
+from zoo.models import transformer
 from zoo.errors import ConfigError
 from zoo.run import config as cfg
 from zoo.run import setup as setup_lib
@@ -74,12 +76,20 @@ def _leaves(node, prefix=''):
 RUN_FIELDS = {name for name, _, _ in _leaves(cfg.base_config())} - {'model.name', 'data.name'}
 
 
+# The fields every Transformer family declares once, on transformer.Transformer, and checks
+# with transformer.check_config: one validator, tried on one experiment.
+_SHARED_TRANSFORMER_FIELDS = {f.name for f in dataclasses.fields(transformer.Transformer)}
+
+
 def _owner(config, field: str) -> str:
   """Whose check a field's value meets: the run's (base_config's fields), the model
   family's, the data source's, or the experiment's own."""
   if field in RUN_FIELDS:
     return 'run'
   group = field.split('.')[0]
+  if group == 'model' and field.split('.')[1] in _SHARED_TRANSFORMER_FIELDS and issubclass(
+      models.MODELS[config.model.name].module, transformer.Transformer):
+    return 'model Transformer'  # transformer.check_config's, for every Transformer family.
   if group in ('model', 'data'):
     return f'{group} {config[group].name}'
   return f'experiment {field}'
