@@ -4,7 +4,7 @@ import contextlib
 import itertools
 import queue
 import threading
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 import jax
 
@@ -46,6 +46,11 @@ def to_global(local_batch: dict, batch_sharding: jax.sharding.NamedSharding,
   return jax.tree.map(one, local_batch)
 
 
+def as_is(batch: dict) -> dict:
+  """A local batch unchanged: the default `arrange`."""
+  return batch
+
+
 class TrainBatches:
   """step -> the global train batch of that step, built from this process's rows; asked
   for in step order from `start` when the dataset builds its batches ahead
@@ -53,11 +58,11 @@ class TrainBatches:
 
   def __init__(self, dataset: Dataset, batch_sharding: jax.sharding.NamedSharding,
                global_batch_size: int, start: int = 0,
-               arrange: Optional[Callable[[dict], dict]] = None):
+               arrange: Callable[[dict], dict] = as_is):
     """`arrange`: what each local batch goes through before it is placed (Setup.arrange:
     context parallelism's load-balanced order)."""
     self.dataset, self.sharding, self.size = dataset, batch_sharding, global_batch_size
-    self.arrange = arrange or (lambda batch: batch)
+    self.arrange = arrange
     self.rows = process_rows(batch_sharding, global_batch_size)
     self.next_step, self.local = start, None
     if dataset.train_iterator is not None:
@@ -79,13 +84,12 @@ class TrainBatches:
 
 def eval_batches(batches: Callable[[int, slice], Iterator[dict]],
                  batch_sharding: jax.sharding.NamedSharding, global_batch_size: int,
-                 max_batches: int = 0, arrange: Optional[Callable[[dict], dict]] = None
+                 max_batches: int = 0, arrange: Callable[[dict], dict] = as_is
                  ) -> Iterator[dict]:
   """The global eval batches of `batches` (a Dataset's eval_batches: (global batch size,
   rows) -> local batches), the first `max_batches` (0: all), each example once, each
   through `arrange` (as TrainBatches's) first."""
   rows = process_rows(batch_sharding, global_batch_size)
-  arrange = arrange or (lambda batch: batch)
   for local in itertools.islice(batches(global_batch_size, rows), max_batches or None):
     yield to_global(arrange(local), batch_sharding, global_batch_size)
 

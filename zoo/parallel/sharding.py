@@ -121,8 +121,12 @@ def for_mesh(rules: Sequence, mesh_axes: Sequence[str]) -> tuple:
 def sequence_shards(mesh: Any, rules: Sequence) -> int:
   """How many blocks the rules split a sequence ('act_len') into on `mesh` (a Mesh or
   an AbstractMesh): the context-parallel degree."""
-  axes = mesh_axes_of(nn.logical_to_mesh_axes(('act_len',), rules_tuple(rules))[0])
-  return math.prod(dict(mesh.shape).get(a, 1) for a in axes)
+  return math.prod(dict(mesh.shape).get(a, 1) for a in sequence_mesh_axes(rules))
+
+
+def sequence_mesh_axes(rules: Sequence) -> tuple:
+  """The mesh axes that the rules map 'act_len' onto (Flax's first matching rule)."""
+  return mesh_axes_of(nn.logical_to_mesh_axes(('act_len',), rules_tuple(rules))[0])
 
 
 def rules_tuple(rules: Sequence) -> tuple:

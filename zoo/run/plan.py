@@ -18,7 +18,6 @@ import re
 import time
 from typing import Any, Optional
 
-import flax.linen as nn
 import jax
 import ml_collections
 
@@ -259,8 +258,8 @@ def _sequence(setup: setup_lib.Setup) -> Optional[dict]:
   shards = sharding.sequence_shards(setup.mesh, setup.rules)
   if shards <= 1 or 'inputs' not in setup.batch:
     return None
-  axes = sharding.mesh_axes_of(nn.logical_to_mesh_axes(('act_len',), setup.rules)[0])
-  return {'length': setup.batch['inputs'].shape[-1], 'shards': shards, 'axes': list(axes),
+  return {'length': setup.batch['inputs'].shape[-1], 'shards': shards,
+          'axes': list(sharding.sequence_mesh_axes(setup.rules)),
           'balanced': setup.task.balanced}
 
 

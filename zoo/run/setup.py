@@ -35,10 +35,6 @@ from zoo.run import config as cfg
 from zoo.run import optim, steps, tasks
 
 
-def _as_is(batch: dict) -> dict:
-  return batch
-
-
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """A config placed on a mesh: everything but the arrays."""
@@ -59,7 +55,7 @@ class Setup:
   batch: dict                   # A global train batch's shapes and sharding (ShapeDtypeStructs).
   # A local batch as the devices take it: in context parallelism's load-balanced order
   # where the task's batches can be (zoo.parallel.context), else as it is.
-  arrange: Callable[[dict], dict] = _as_is
+  arrange: Callable[[dict], dict] = feed.as_is
   choice_tasks: tuple = ()      # Multiple-choice tasks evaluated in the loop (zoo.data.choice).
   trainable: steps.Trainable = None  # LoRA: only the adapters train (zoo.models.lora).
   # The jitted programs of this build (see `jit`), shared by every Setup that `build`
@@ -186,7 +182,7 @@ def _build(config: ml_collections.ConfigDict, dataset: Dataset, family: ModelFam
       mesh, jax.sharding.PartitionSpec(sharding.batch_mesh_axes(rules) or None))
   shards = sharding.sequence_shards(mesh, rules)
   arrange = (functools.partial(context.balance, shards=shards) if task.balanced and shards > 1
-             else _as_is)
+             else feed.as_is)
   example = arrange(task.train_example(example))
   size = config.train.batch_size
   batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
