@@ -23,13 +23,16 @@ scores and per-head query/key norms.
 - A sequence split over the mesh (context parallelism, zoo.parallel.sharding.context_rules):
   the queries stay split, the keys and values are gathered whole ('act_kv_len'), and the
   masks (causal, window, segments) come from the tokens' positions, so a row fed in any
-  order (zoo.parallel.context's load-balanced one) attends exactly as in order. XLA's
-  attention runs there (no fused kernel here takes a split sequence yet).
+  order (zoo.parallel.context's load-balanced one) attends exactly as in order. Splash takes
+  a split sequence of causal self-attention where the rows are known to be in the
+  load-balanced order (`balanced_rows`, which a language model's train and eval steps
+  enter); XLA's attention runs everywhere else (cuDNN's partitioner takes no split).
 
 Shapes are suffixed: B batch, L (M) query (key) length, D d_model, N heads, G key/value
 heads, K heads per group, H head size, S cache positions, R LoRA rank.
 """
 import contextlib
+import contextvars
 from typing import Any, Iterator, Optional, Union
 
 from absl import logging
@@ -49,6 +52,8 @@ Flag = Union[bool, jax.Array]  # A layer's `local`: static, or traced under nn.s
 IMPLEMENTATIONS = ('auto', 'xla', 'cudnn', 'splash')
 _SAID: set = set()  # (layer path, reason) pairs logged.
 _record: Optional[dict] = None  # While recording(): layer path -> (implementation, why).
+# Inside balanced_rows(): rows under a split sequence are in the load-balanced order.
+_balanced = contextvars.ContextVar('zoo_balanced_rows', default=False)
 
 
 def auto(platform_name: str) -> str:
@@ -66,6 +71,20 @@ def recording() -> Iterator[dict]:
     yield _record
   finally:
     _record = outer
+
+
+@contextlib.contextmanager
+def balanced_rows(balanced: bool = True) -> Iterator[None]:
+  """Says, to the attention traced inside it, whether the rows it gets come in context
+  parallelism's load-balanced order (zoo.parallel.context, for the shards the mesh splits
+  the sequence into): then the splash kernel, whose causal mask is built for that order,
+  may take a split sequence. Entered inside the traced step (zoo.run.steps) by the code
+  that knows how its batches were fed; elsewhere XLA's attention runs, exact in any order."""
+  token = _balanced.set(balanced)
+  try:
+    yield
+  finally:
+    _balanced.reset(token)
 
 
 def is_recording() -> bool:
@@ -283,8 +302,10 @@ class Attention(nn.Module):
     elif computed is not None:
       why = 'soft-capped scores'
     elif kernel == 'splash':
+      if sequence_split():  # `causal` is False there: the masks were made from positions.
+        causal = self.causal and k_BMGH.shape[1] == q_BLNH.shape[1]
       why = ('a sliding window' if self.window and local is not False else
-             splash.refusal(q_BLNH, k_BMGH, kv_axis))
+             splash.refusal(q_BLNH, k_BMGH, kv_axis, causal, _balanced.get()))
       if not why:
         _ran(path, requested, kernel)
         return splash.attention(q_BLNH, k_BMGH, v_BMGH, causal, kv_axis, segments_BL)

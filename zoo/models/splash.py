@@ -11,6 +11,17 @@ jax.nn.dot_product_attention does. Off TPU it runs in Pallas's interpret mode (s
 tests). `refusal` says which shapes it cannot take (lengths that are no multiple of 128, a
 batch or heads that do not divide over their mesh axes): zoo.models.attention runs XLA's
 attention there and the log says so.
+
+A sequence split over the mesh (context parallelism): each device holds its queries' rows
+in the load-balanced order (zoo.parallel.context: chunks i and 2 x shards - 1 - i) and the
+keys and values gathered whole. The kernel is built once for the whole [L, L] causal mask
+with `q_seq_shards` = the shards, its queries' positions (`q_sequence`) in that order, and
+shard_map hands each device its slice of the mask's block tables (`manual_sharding_spec`);
+each device puts the gathered keys, values and segment ids back in natural order, so the
+kernel skips the blocks that a query chunk cannot see. The kernel trusts that order: it
+runs only where the caller says the rows were fed so (`balanced`: a language model's train
+and eval steps, whose batches Setup.arrange permutes); any other split runs XLA's
+attention, whose masks follow the tokens' positions.
 """
 import math
 from typing import Optional
@@ -18,8 +29,10 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zoo.models.layers import platform
+from zoo.parallel import context
 
 LANES = 128          # The kernel's blocks are multiples of this along both lengths.
 MAX_BLOCK = 512      # Larger blocks, fewer grid steps (MaxText's default for long contexts).
@@ -43,25 +56,38 @@ def specs(kv_axis: str) -> tuple:
 
 
 SPLIT_SEQUENCE = 'the rules split the sequence or the head size over the mesh'
+UNBALANCED = ("the rules split the sequence and these rows are not fed in the load-balanced "
+              "order (only a language model's train and eval steps are)")
 
 
 def splits_sequence(spec) -> bool:
-  """Whether a spec from `specs` splits the sequence or the head size (no fused kernel here
-  takes that)."""
+  """Whether a spec from `specs` splits the sequence or the head size (no fused kernel but
+  splash, on load-balanced rows, takes that)."""
   return spec[1] is not None or spec[3] is not None
 
 
-def refusal(q_BLNH: jax.Array, k_BMGH: jax.Array, kv_axis: str) -> str:
+def refusal(q_BLNH: jax.Array, k_BMGH: jax.Array, kv_axis: str, causal: bool = True,
+            balanced: bool = False) -> str:
   """Why the kernel cannot take these queries [B, L, N, H] and keys [B, M, G, H] under the
   current mesh and rules ('' if it can). `kv_axis` is the logical name of the key/value
-  heads' activations."""
+  heads' activations. A split sequence needs causal self-attention on rows fed in the
+  load-balanced order (`balanced`)."""
   batch, length, heads, _ = q_BLNH.shape
   kv_length, kv_heads = k_BMGH.shape[1], k_BMGH.shape[2]
   if length % LANES or kv_length % LANES:
     return f'lengths {length} and {kv_length} must be multiples of {LANES}'
   spec, kv_spec = specs(kv_axis)
-  if splits_sequence(spec):
+  shards = _mesh_size(spec[1])
+  if spec[3] is not None:
     return SPLIT_SEQUENCE
+  if shards > 1:
+    if not balanced:
+      return UNBALANCED
+    if not causal or kv_length != length:
+      return 'the rules split the sequence of attention that is not causal self-attention'
+    if length % (shards * LANES):
+      return (f'the rules split the sequence of {length} positions into {shards} shards, '
+              f'which must be multiples of {LANES}')
   batch_shards, head_shards, kv_shards = (_mesh_size(spec[0]), _mesh_size(spec[2]),
                                           _mesh_size(kv_spec[2]))
   if batch % batch_shards or heads % head_shards or kv_heads % kv_shards or (
@@ -71,50 +97,75 @@ def refusal(q_BLNH: jax.Array, k_BMGH: jax.Array, kv_axis: str) -> str:
   return ''
 
 
+def _mask(length: int, kv_length: int, causal: bool, shards: int):
+  """One head's mask for the kernel: causal or full; with `shards` > 1, causal over the
+  queries held in the load-balanced order (each query row's position is `q_sequence`'s)."""
+  # Imported here: the kernel's modules cost every zoo process ~70 ms to import.
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib  # pylint: disable=import-outside-toplevel
+  shape = (length, kv_length)
+  if not causal:
+    return mask_lib.FullMask(shape)
+  mask = mask_lib.CausalMask(shape)
+  if shards > 1:  # The kernel reads each query's position from q_sequence, its slice each.
+    mask.q_sequence = context.balanced_order(length, shards).astype('int32')
+  return mask
+
+
 def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: bool,
               kv_axis: str, segments_BL: Optional[jax.Array] = None) -> jax.Array:
   """Attention of queries [B, L, N, H] over keys and values [B, M, G, H] (causal: query i
   sees keys 0..i; with `segments_BL`, self-attention, only keys of its own segment), in
   the splash kernel, for shapes it takes (`refusal` is ''). `kv_axis` is the logical name
-  of the key/value heads' activations."""
+  of the key/value heads' activations. Under a split sequence the rows are in the
+  load-balanced order and the keys and values gathered whole (zoo.models.attention)."""
   _, length, heads, head_dim = q_BLNH.shape
   kv_length = k_BMGH.shape[1]
   spec, kv_spec = specs(kv_axis)
-  head_shards = _mesh_size(spec[2])
-  # Imported here: the kernel's modules cost every zoo process ~70 ms to import.
+  head_shards, shards = _mesh_size(spec[2]), _mesh_size(spec[1])
   from jax.experimental.pallas.ops.tpu import splash_attention  # pylint: disable=import-outside-toplevel
   kernel_lib = splash_attention.splash_attention_kernel
-  mask_lib = splash_attention.splash_attention_mask
   # Off TPU (the tests, on CPU) Pallas interprets the kernel.
   interpret = platform() != 'tpu'
+  # A query block within one load-balanced chunk where the chunks allow (a block across two
+  # is exact too, but skips fewer keys).
+  chunk = length // (2 * shards)
+  q_block = _block(chunk if shards > 1 and chunk % LANES == 0 else length // shards)
+  kv_block = _block(kv_length)
   blocks = kernel_lib.BlockSizes(
-      block_q=_block(length), block_kv=_block(kv_length), block_kv_compute=_block(kv_length),
-      block_q_dkv=_block(length), block_kv_dkv=_block(kv_length),
-      block_kv_dkv_compute=_block(kv_length), block_q_dq=_block(length),
-      block_kv_dq=_block(kv_length))
-  local_heads = heads // head_shards
+      block_q=q_block, block_kv=kv_block, block_kv_compute=kv_block, block_q_dkv=q_block,
+      block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block, block_q_dq=q_block,
+      block_kv_dq=kv_block)
+  mask = splash_attention.splash_attention_mask.MultiHeadMask(
+      [_mask(length, kv_length, causal, shards)] * heads)
+  kernel = kernel_lib.make_splash_mha(mask, block_sizes=blocks, head_shards=head_shards,
+                                      q_seq_shards=shards, interpret=interpret)
+  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+  kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(
+      jax.sharding.get_abstract_mesh(), P(spec[2], spec[1])))
+  # Where each gathered key came from: the balanced order's inverse puts them back.
+  natural = (np.argsort(context.balanced_order(kv_length, shards)) if shards > 1 else None)
 
-  def one_shard(q_BNLH, k_BGMH, v_BGMH, *segments):
-    shape = (length, kv_length)
-    mask = mask_lib.CausalMask(shape) if causal else mask_lib.FullMask(shape)
-    splash = kernel_lib.make_splash_mha(mask_lib.MultiHeadMask([mask] * local_heads),
-                                        block_sizes=blocks, head_shards=1, q_seq_shards=1,
-                                        interpret=interpret)
+  def one_shard(kernel, q_BNLH, k_BGMH, v_BGMH, *segments):
+    if natural is not None:
+      k_BGMH, v_BGMH = k_BGMH[:, :, natural], v_BGMH[:, :, natural]
     if not segments:
-      return jax.vmap(splash)(q_BNLH, k_BGMH, v_BGMH)
-    ids = kernel_lib.SegmentIds(q=segments[0], kv=segments[0])
-    return jax.vmap(lambda q, k, v, s: splash(q, k, v, segment_ids=s))(q_BNLH, k_BGMH, v_BGMH,
+      return jax.vmap(kernel)(q_BNLH, k_BGMH, v_BGMH)
+    q_segments, kv_segments = segments
+    if natural is not None:
+      kv_segments = kv_segments[:, natural]
+    ids = kernel_lib.SegmentIds(q=q_segments, kv=kv_segments)
+    return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s))(q_BNLH, k_BGMH, v_BGMH,
                                                                         ids)
 
   scale = 1.0 / math.sqrt(head_dim)
   q_BNLH = (q_BLNH.astype(jnp.float32) * scale).astype(q_BLNH.dtype).transpose(0, 2, 1, 3)
   k_BGMH, v_BGMH = k_BMGH.transpose(0, 2, 1, 3), v_BMGH.transpose(0, 2, 1, 3)
-  P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
-  in_specs = (P(spec[0], spec[2]), P(kv_spec[0], kv_spec[2]), P(kv_spec[0], kv_spec[2]))
-  args = (q_BNLH, k_BGMH, v_BGMH)
-  if segments_BL is not None:
-    in_specs, args = in_specs + (P(spec[0]),), args + (segments_BL.astype(jnp.int32),)
-  out_BNLH = jax.shard_map(one_shard, in_specs=in_specs, out_specs=P(spec[0], spec[2]),
+  q_spec = P(spec[0], spec[2], spec[1])
+  in_specs = (kernel_spec, q_spec, P(kv_spec[0], kv_spec[2]), P(kv_spec[0], kv_spec[2]))
+  args = (kernel, q_BNLH, k_BGMH, v_BGMH)
+  if segments_BL is not None:  # The keys' segment ids whole (gathered under a split).
+    ids_BL = segments_BL.astype(jnp.int32)
+    in_specs, args = in_specs + (P(spec[0], spec[1]), P(spec[0])), args + (ids_BL, ids_BL)
+  out_BNLH = jax.shard_map(one_shard, in_specs=in_specs, out_specs=q_spec,
                            check_vma=False)(*args)
   return out_BNLH.transpose(0, 2, 1, 3)
-

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from zoo.models import attention
 from zoo.run.tasks import Task
 
 # Variable collections a model updates as it trains (BatchNorm's running statistics):
@@ -74,10 +75,11 @@ def loss(params: Any, state: TrainState, batch: dict, rng: jax.Array, task: Task
   {'loss': the task's loss alone, the task's figures over `figure_total` (default
   `total`), the model's 'aux_metrics'...} at that share (summed over microbatches, each is
   the batch's)."""
-  out, model_state = state.apply_fn(
-      {'params': params, **state.model_state}, *task.model_inputs(batch),
-      **task.model_keywords(batch), train=True, rngs={'dropout': rng},
-      mutable=list(state.model_state))
+  with attention.balanced_rows(task.balanced):  # Setup.arrange fed them so.
+    out, model_state = state.apply_fn(
+        {'params': params, **state.model_state}, *task.model_inputs(batch),
+        **task.model_keywords(batch), train=True, rngs={'dropout': rng},
+        mutable=list(state.model_state))
   value = task.loss_sum(out, batch) / total
   per = total if figure_total is None else figure_total
   figures = {'loss': value, **{k: v / per for k, v in task.figures(out, batch).items()}}
@@ -170,8 +172,9 @@ def train_step(state: TrainState, batch: dict, seed: int, task: Task,
 def eval_step(state: TrainState, batch: dict, task: Task) -> dict:
   """The task's sums over a batch (Task.eval_sums: loss, correct predictions, weight, ...),
   which it turns into metrics over the split."""
-  out = state.apply_fn({'params': state.params, **state.model_state},
-                       *task.model_inputs(batch), **task.model_keywords(batch))
+  with attention.balanced_rows(task.balanced):  # Setup.arrange fed them so.
+    out = state.apply_fn({'params': state.params, **state.model_state},
+                         *task.model_inputs(batch), **task.model_keywords(batch))
   return task.eval_sums(out, batch)
 
 
