@@ -18,10 +18,11 @@ import pytest
 
 from conftest import REPO, experiment, load_config, read_metrics, stop_at, trainer
 from zoo.errors import ConfigError
-from zoo.models import transformer_lm
+from zoo.models import attention, transformer_lm
 from zoo.parallel import context, sharding
 from zoo.parallel import mesh as mesh_lib
 from zoo.run import config as cfg, plan, tasks
+from zoo.run import setup as setup_lib
 
 B, L, V = 4, 32, 61
 BASE = dict(num_layers=2, d_model=48, num_heads=4, mlp_dim=64, vocab_size=V, max_len=L,
@@ -225,3 +226,42 @@ def test_an_h100_host_compiles_a_context_parallel_step():
   assert re.search(r'xla +block_0/attn, block_1/attn \(not its kernel: .*split the sequence', out)
   assert re.search(r'all-gather +\d+ x, groups of 4 \(context\)', out), out[-1500:]
   assert re.search(r'reduce-scatter +\d+ x, groups of 4 \(context\)', out), out[-1500:]
+
+
+def test_max_batch_counts_rows_that_span_the_context_axis(monkeypatch, devices):
+  """--max_batch on batch 2 x context 4: a stand-in compiler fits up to 3 rows per 4
+  devices, so the largest global batch is 6, fewer rows than devices (0.75 per device)."""
+  del devices
+  asked = []
+
+  def probe(setup, per_device):
+    asked.append(per_device)
+    fits = per_device <= 3
+    return {'train': plan.Compiled(memory={'peak': per_device * 2**20}) if fits else
+            plan.Compiled(refusal='RESOURCE_EXHAUSTED: Ran out of memory on HBM', needed=2**40)}
+  monkeypatch.setattr(plan, '_probe', probe)
+  config = load_config('char_lm', 'smoke,long', **{'mesh.shape': (2, 4, 1), 'train.batch_size': 2})
+  found = plan.max_batch(config, device_memory_gib=1)
+  assert (found['global_batch'], found['batch_per_device']) == (6, 0.75), found
+  assert asked[0] == 1 and found['refused_at'] == 4
+  assert plan.format_max_batch(found).startswith(
+      'largest train batch that fits: 0.75 per device (train.batch_size=6)')
+
+
+@pytest.mark.skipif(not importlib.util.find_spec('libtpu'), reason='needs libtpu')
+def test_a_tpu_pod_runs_splash_on_a_split_sequence():
+  """v5p-8, compile-only, char_lm:smoke,long (512 positions) over context 4 (model.attention='auto'): every
+  layer runs the splash kernel on its load-balanced rows, the step holds its TPU custom
+  calls, and keys and values are gathered over 'context'."""
+  from zoo.parallel import topology  # pylint: disable=import-outside-toplevel
+  config = load_config('char_lm', 'smoke,long', **{
+      'mesh.shape': (1, 4, 1), 'train.batch_size': 1, 'eval.batch_size': 1,
+      'data.seq_len': 512, 'model.max_len': 512})
+  from zoo.parallel import hlo  # pylint: disable=import-outside-toplevel
+  s = setup_lib.checked(config, topology.devices(topology.parse('v5p-8')), plan=True)
+  with s.scope(), attention.recording() as chosen:
+    text = s.jit_train_step().lower(s.abstract_state(), s.batch).compile().as_text()
+  assert set(chosen.values()) == {('splash', '')}, chosen
+  assert text.count('custom_call_target="tpu_custom_call"') >= 3  # Forward, dq and dkv.
+  assert {(c['kind'], c['axes']) for c in hlo.collectives(text, s.mesh)} >= {
+      ('all-gather', 'context')}

@@ -432,9 +432,16 @@ def refusal_line(p: dict, device_memory_gib: float = 0.0) -> str:
           f'{change}')
 
 
+def _row_unit(setup: setup_lib.Setup) -> int:
+  """The global rows of one example per device: the device count, or where the rules
+  split the sequence over k devices (one row spans k), the device count / k."""
+  return setup.mesh.size // sharding.sequence_shards(setup.mesh, setup.rules)
+
+
 def _probe(setup: setup_lib.Setup, per_device: int) -> dict:
-  """The train step (and GRPO's rollout) compiled for `per_device` examples per device."""
-  size = per_device * setup.mesh.size
+  """The train step (and GRPO's rollout) compiled for `per_device` examples per device (per
+  k devices where a row spans k: _row_unit)."""
+  size = per_device * _row_unit(setup)
   config = setup.config.copy_and_resolve_references()
   config.train.batch_size = size
   batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=v.sharding)
@@ -455,7 +462,9 @@ def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   """The largest train batch per device whose step the compiler fits (and, if given,
   within --device_memory_gib): doubling from the config's, then bisecting. A refusal that
   is not for HBM (the TPU compiler's scoped-VMEM errors are not monotonic in the batch) is
-  recorded as what it is and stepped around, never bisected across."""
+  recorded as what it is and stepped around, never bisected across. Where the rules split
+  the sequence over k devices (context parallelism) a row spans k of them: the search
+  counts rows per k devices, so a global batch smaller than the device count is tried."""
   devices = topology.devices(target) if target else jax.devices()
   cfg.validate(config, len(devices))
   setup = setup_lib.checked(config, devices, plan=True)
@@ -465,11 +474,11 @@ def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
     raise ConfigError('--max_batch: this backend has no memory limit to search against; give '
                       '--device_memory_gib or a --topology')
   shards = sharding.batch_shards(setup.mesh, setup.rules)
-  step = config.train.microbatches * shards // math.gcd(config.train.microbatches * shards,
-                                                        setup.mesh.size)
+  unit = _row_unit(setup)
+  step = config.train.microbatches * shards // math.gcd(config.train.microbatches * shards, unit)
   if setup.task.name == 'grpo':  # Whole groups of num_generations completions.
     g = config.grpo.num_generations
-    step = math.lcm(step, g // math.gcd(g, setup.mesh.size))
+    step = math.lcm(step, g // math.gcd(g, unit))
   held = _held(setup, setup.abstract_state())
   probes, peaks, t0 = {}, {}, time.perf_counter()
 
@@ -484,7 +493,7 @@ def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
     return all(c.memory is not None for c in programs) and peaks[b] <= limit
 
   good, bad = 0, None
-  b = max(config.train.batch_size // setup.mesh.size // step * step, step)
+  b = max(config.train.batch_size // unit // step * step, step)
   while bad is None and b <= largest:  # Doubling while it fits.
     verdict = fits(b)
     if verdict is None:
@@ -509,19 +518,22 @@ def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
     else:
       break
     lo, hi = (probe, hi) if verdict else (lo, probe)
-  return {'batch_per_device': lo, 'global_batch': lo * setup.mesh.size,
+  def per_device(b):  # An int, or a fraction where a row spans several devices.
+    return b * unit // setup.mesh.size if b * unit % setup.mesh.size == 0 else (
+        b * unit / setup.mesh.size)
+  return {'batch_per_device': per_device(lo), 'global_batch': lo * unit,
           'peak': peaks[lo] if lo else None, 'limit': limit, 'refused_at': hi,
-          'other_refusals': {b: c.refusal for b, programs in sorted(probes.items())
+          'other_refusals': {per_device(b): c.refusal for b, programs in sorted(probes.items())
                              for c in programs.values()
                              if c.refusal and c.needed is None},
           'compiles': sum(map(len, probes.values())), 'seconds': time.perf_counter() - t0}
 
 
 def format_max_batch(m: dict) -> str:
-  lines = [f'largest train batch that fits: {m["batch_per_device"]} per device '
+  lines = [f'largest train batch that fits: {m["batch_per_device"]:g} per device '
            f'(train.batch_size={m["global_batch"]})'
            + (f', peak {_mib(m["peak"])} of {_mib(m["limit"])}' if m['peak'] else '')
            + f'; {m["compiles"]} compiles in {m["seconds"]:.0f} s']
   for b, message in sorted(m['other_refusals'].items()):
-    lines.append(f'  {b} per device: refused for another reason than memory: {message}')
+    lines.append(f'  {b:g} per device: refused for another reason than memory: {message}')
   return '\n'.join(lines)
