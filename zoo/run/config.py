@@ -465,7 +465,7 @@ def validate_sequence_split(task: tasks.Task, example: dict, mesh: jax.sharding.
   shards = sharding.sequence_shards(mesh, rules)
   if shards <= 1:
     return
-  if not task.sequences or task.name == 'grpo':
+  if not task.context_parallel:
     fail('mesh.axes', f'the rules split sequences over {shards} devices (context '
          f'parallelism), which trains language models and seq2seq models; this run\'s task '
          f'is {task.name}: leave the context axis out of mesh.axes or give it size 1')

@@ -46,6 +46,9 @@ class Task:
   # Its batches may be fed in context parallelism's load-balanced order (the sequence
   # permuted with each token's position, zoo.parallel.context): the loss is order-free.
   balanced = False
+  # Its steps may run with the sequence split over a 'context' mesh axis (sequence tasks
+  # whose batches are fed as data, not sampled in the step).
+  context_parallel = False
 
   def model_inputs(self, batch: dict) -> list:
     return [batch[k] for k in self.inputs]
@@ -128,6 +131,7 @@ class LanguageModel(Task):
   keywords = {'segments': 'segments_BL', 'positions': 'positions_BL', 'targets': 'targets_BL'}
   sequences = True
   balanced = True
+  context_parallel = True
 
   def token_stats(self, out: Any, batch: dict) -> tuple[jax.Array, jax.Array]:
     return out['loss'], out['correct']
@@ -196,6 +200,7 @@ class Seq2Seq(Task):
   name = 'seq2seq'
   inputs = ('inputs', 'decoder_inputs')
   sequences = True
+  context_parallel = True
 
   def eval_sums(self, logits: jax.Array, batch: dict) -> dict:
     """Adds the examples whose every target is the argmax."""
@@ -326,6 +331,7 @@ class PolicyGradient(LanguageModel):
   """
   name = 'grpo'
   balanced = False  # Its batches are its rollouts', sampled in place.
+  context_parallel = False
 
   def __init__(self, temperature: float = 1.0, epsilon: float = 0.2, epsilon_high: float = 0.0,
                beta: float = 0.0, loss: str = 'dapo', importance: str = 'token',
