@@ -4,6 +4,7 @@ r"""Pod plans compiled here by the TPU compiler: what fits where, at what peak, 
     python benchmarks/pod_plans.py                 # everything (about 1.5 hours on 2 cores)
     python benchmarks/pod_plans.py --only=plans --resume   # only the rows not in the JSON yet
     python benchmarks/pod_plans.py --only=plans    # or maxtext, cpu
+    python benchmarks/pod_plans.py --only=long     # context parallelism against MaxText
 
 Three tables (and pod_plans.json):
 - plans: char_lm:100m, char_lm:1b and a Llama-3-8B-shaped decoder (abstract parameters, no
@@ -30,6 +31,13 @@ Three tables (and pod_plans.json):
   on v5p-64: the largest number of prompts per step whose update and rollout (its
   key/value cache, the optimizer state resident beside it) the compiler fits
   (`--only=grpo`).
+- long: issue #42's long-context rows, Llama-3-8B shapes (FSDP over batch x context, full
+  remat, scanned layers, splash, bf16 compute, the chunked loss) against MaxText 0.2.5's
+  train_compile (context parallelism 'all_gather', load-balanced): CP1 v5p-128 at 131,072
+  tokens over context 4, CP2 v6e-256 at 32,768 over context 4 (the peak at MaxText's
+  smallest batch, and the largest batch), CP3 v5p-64 at 131,072 without a context axis;
+  and the train step's compile time on CP1's pod with and without the context axis
+  (`--only=long`).
 """
 import argparse
 import json
@@ -293,14 +301,113 @@ def grpo(out):
   _save_row(out, 'grpo', row)
 
 
+# Issue #42's rows, as MaxText 0.2.5's train_compile measured them (same libtpu peaks as
+# this one at equal tokens per chip): (row, target, tokens, context shards, the batch whose
+# peak is compared, MaxText's peak there in GiB, MaxText's largest batch, the target's).
+LONG = [('CP1', 'v5p-128', 131072, 4, 16, 26.50, 48, 64),
+        ('CP2', 'v6e-256', 32768, 4, 64, 7.37, 448, 448),
+        # MaxText: refused at 99.77 GiB unless num_vocab_tiling=16 (65.61 GiB).
+        ('CP3', 'v5p-64', 131072, 1, 32, 65.61, None, None)]  # v5p-64: 32 chips.
+
+
+def long_config(seq, context, batch):
+  """Llama-3-8B shapes at `seq` tokens, FSDP over batch x `context` shards (none: 1)."""
+  from zoo.parallel import sharding  # pylint: disable=import-outside-toplevel
+  from zoo.run.config import load_experiment  # pylint: disable=import-outside-toplevel
+  c = load_experiment(os.path.join(REPO, 'experiments', 'char_lm.py'), '1b,fsdp')
+  c.model.update({**LLAMA3_8B, 'remat': 'full', 'scan_layers': True, 'attention': 'splash',
+                  'dtype': 'bfloat16', 'max_len': seq, 'loss_chunks': 0})
+  c.data.seq_len = seq
+  c.logical_axis_rules = sharding.fsdp_rules()
+  if context > 1:
+    c.mesh.axes, c.mesh.shape = ('batch', 'context', 'model'), (-1, context, 1)
+  c.train.batch_size = c.eval.batch_size = batch
+  return c
+
+
+def long(out):
+  """Issue #42's CP1-CP3: the peak at MaxText's batch, the largest batch (CP1, CP2), the
+  collectives, and the compile time against the same pod's step without a context axis."""
+  from zoo.run import plan  # pylint: disable=import-outside-toplevel
+  from zoo.parallel import topology  # pylint: disable=import-outside-toplevel
+  done = {r['row'] for r in out.get('long', [])}  # --resume: measured already.
+  for name, target_name, seq, context, batch, theirs, their_largest, goal in LONG:
+    if name in done:
+      continue
+    target = topology.parse(target_name)
+    c = long_config(seq, context, batch)
+    p = plan.make_plan(c, target=target)
+    row = {'row': name, 'target': target_name, 'tokens': seq, 'context': context,
+           'batch': batch, 'fits': p['fits'],
+           'peak_gib': round((p['compiled_memory'] or {}).get('peak', 0) / 2**30, 2),
+           'maxtext_peak_gib': theirs, 'compile_s': round(p['compile_s'], 1),
+           'attention': sorted({used for used, _ in p['attention']['layers'].values()}),
+           'collectives': _collectives(p['collectives'])}
+    if their_largest:
+      found = plan.max_batch(c, target=target)
+      row.update({'largest_batch': found['global_batch'], 'maxtext_largest': their_largest,
+                  'target_largest': goal,
+                  'largest_peak_gib': round((found['peak'] or 0) / 2**30, 2),
+                  # Counted per chip, or per `context` chips where a row spans them.
+                  'refused_at': found['refused_at'] * target.chips // context,
+                  'compiles': found['compiles'], 'search_s': round(found['seconds']),
+                  'other_refusals': found['other_refusals']})
+    _save_row(out, 'long', row)
+  # CP1's pod and tokens, one sequence per chip without a context axis (what zoo could plan
+  # before issue 42), and the compile-time target: CP1's train step against that one, each
+  # lowered and compiled in a fresh process with the compilation cache off.
+  if 'CP1 without context' not in done:
+    p = plan.make_plan(long_config(131072, 1, 64), target=topology.parse('v5p-128'))
+    _save_row(out, 'long', {'row': 'CP1 without context', 'target': 'v5p-128',
+                            'tokens': 131072, 'context': 1, 'batch': 64, 'fits': p['fits'],
+                            'peak_gib': round((p['compiled_memory'] or {}).get('peak', 0)
+                                              / 2**30, 2)})
+  if 'compile' not in done:
+    seconds = [_compile_seconds(131072, context, batch, 'v5p-128')
+               for context, batch in ((4, 16), (1, 64))]
+    _save_row(out, 'long', {'row': 'compile', 'target': 'v5p-128', 'tokens': 131072,
+                            'cp1_s': seconds[0], 'without_context_s': seconds[1],
+                            'ratio': round(seconds[0] / seconds[1], 2)})
+
+
+def _compile_seconds(seq, context, batch, target_name):
+  """Seconds to lower and compile Llama-3-8B's train step (long_config) for a target, in a
+  fresh process with JAX's compilation cache off."""
+  result = subprocess.run([sys.executable, __file__, '--only=_compile',
+                           f'--compile={seq},{context},{batch},{target_name}'], cwd=REPO,
+                          check=True, capture_output=True, text=True)
+  return json.loads(result.stdout.strip().splitlines()[-1])['seconds']
+
+
+def _compile_once(spec):
+  import jax  # pylint: disable=import-outside-toplevel
+  from zoo.parallel import topology  # pylint: disable=import-outside-toplevel
+  from zoo.run import setup as setup_lib  # pylint: disable=import-outside-toplevel
+  jax.config.update('jax_enable_compilation_cache', False)
+  seq, context, batch, target_name = spec.split(',')
+  c = long_config(int(seq), int(context), int(batch))
+  s = setup_lib.checked(c, topology.devices(topology.parse(target_name)), plan=True)
+  with s.scope():
+    t0 = time.perf_counter()
+    s.jit_train_step().lower(s.abstract_state(), s.batch).compile()
+  print(json.dumps({'seconds': round(time.perf_counter() - t0, 1)}))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--only', default='plans,cpu,maxtext')
   parser.add_argument('--json', default='pod_plans.json')
   parser.add_argument('--resume', action='store_true', help='keep the rows already measured')
+  parser.add_argument('--compile', default='', help=argparse.SUPPRESS)  # --only=_compile's.
   args = parser.parse_args()
   if args.only == '_cpu_rows':
     _cpu_rows({})
+    return
+  if args.only == '_compile':
+    os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+    from absl import logging  # pylint: disable=import-outside-toplevel
+    logging.set_verbosity(logging.ERROR)
+    _compile_once(args.compile)
     return
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   from absl import logging  # pylint: disable=import-outside-toplevel
@@ -314,11 +421,11 @@ def main():
     if not args.resume:
       out.pop(section, None)
     {'plans': plans, 'cpu': cpu, 'maxtext': maxtext, 'vocab': vocab, 'moe': moe,
-     'grpo': grpo}[section](out)
+     'grpo': grpo, 'long': long}[section](out)
     with open(args.json, 'w', encoding='utf-8') as f:
       json.dump({k: v for k, v in out.items() if k != '_path'}, f, indent=2)
   import tables  # pylint: disable=import-outside-toplevel  # benchmarks/tables.py
-  for section in ('plans', 'cpu', 'maxtext', 'vocab', 'moe', 'grpo'):
+  for section in ('plans', 'cpu', 'maxtext', 'vocab', 'moe', 'grpo', 'long'):
     if out.get(section):
       tables.print_rows(section, out[section])
 
