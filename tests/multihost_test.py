@@ -89,6 +89,22 @@ def test_hybrid_mesh_places_slices_along_the_dcn_axes(dcn, layout, one_process, 
   np.testing.assert_allclose(_losses(str(tmp_path))[0], one_process, rtol=2e-5)
 
 
+def test_a_context_axis_across_processes_matches_one_process(tmp_path):
+  """char_lm:smoke,long over context 8 on 2 processes x 4 devices: each process holds half
+  of every row's sequence (and builds the rows whole); the losses are one process's."""
+  config = {'train.steps': 3, 'train.log_every_steps': 1, 'eval.every_steps': 3,
+            'checkpoint.every_steps': 3, 'mesh.shape': (1, 8, 1), 'train.batch_size': 2,
+            'eval.max_batches': 1, 'eval.sample': False}
+  train.train_and_evaluate(load_config('char_lm', 'smoke,long', **config), str(tmp_path / 'one'))
+  result = launch(f'--config={experiment("char_lm")}:smoke,long', f'--workdir={tmp_path / "two"}',
+                  *(f'--config.{k}={v}'.replace(' ', '') for k, v in config.items()))
+  assert result.returncode == 0, result.stdout[-3000:]
+  with open(tmp_path / 'two' / 'model_info.json', encoding='utf-8') as f:
+    assert json.load(f)['mesh_processes'] == [[[0], [0], [0], [0], [1], [1], [1], [1]]]
+  np.testing.assert_allclose(_losses(str(tmp_path / 'two'))[0],
+                             _losses(str(tmp_path / 'one'))[0], rtol=2e-5)
+
+
 def test_checkpoints_move_between_process_counts(one_process, two_processes, tmp_path):
   """2 processes write on (4,2); 1 process with 2 devices resumes on (2,1); 2 processes
   resume from its step on (4,2) (the writer's programs, loaded from the cache)."""
