@@ -265,3 +265,23 @@ def test_a_tpu_pod_runs_splash_on_a_split_sequence():
   assert text.count('custom_call_target="tpu_custom_call"') >= 3  # Forward, dq and dkv.
   assert {(c['kind'], c['axes']) for c in hlo.collectives(text, s.mesh)} >= {
       ('all-gather', 'context')}
+
+
+def test_initialising_on_a_split_mesh_stages_the_masks(devices):
+  """model.init (under eval_shape, as Setup does) from a host batch of packed rows on a
+  context mesh: the position and segment masks are staged, not built in NumPy ([1, L, L]
+  booleans: 64 MiB at 8,192 positions, 16 GiB at 131,072)."""
+  del devices
+  import tracemalloc  # pylint: disable=import-outside-toplevel
+  length, axes = 8192, ('batch', 'context', 'model')
+  model = transformer_lm.TransformerLM(**{**BASE, 'max_len': length})
+  rows = {'inputs': np.zeros((1, length), np.int32), 'positions': np.zeros((1, length), np.int32),
+          'segments': np.ones((1, length), np.int32)}
+  mesh = mesh_lib.make_mesh((1, 8, 1), axes)
+  with sharding.scope(mesh, sharding.for_mesh(sharding.standard_rules(), axes)):
+    tracemalloc.start()
+    jax.eval_shape(lambda: model.init(jax.random.key(0), rows['inputs'],
+                                      positions_BL=rows['positions'], segments_BL=rows['segments']))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+  assert peak < 2**24, peak

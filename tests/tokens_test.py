@@ -273,3 +273,18 @@ def test_windows_across_shards_and_uint32_tokens(tmp_path):
                                   whole[positions[:, None] + np.arange(300)])
   assert hf.Tokenizer.from_file(str(tmp_path / 'big.json')).token_to_id('<word69000>') > 65_536
   assert whole.max() > 65_536  # The wide dataset's ids really needed 32 bits.
+
+
+def test_a_plan_takes_packed_documents_shorter_than_one_window(dataset_dir):
+  """A pod plan needs only the shapes: packed documents shorter than data.seq_len load for a
+  plan (one padded window each split) and are refused, in one line, for training."""
+  with open(os.path.join(dataset_dir, 'metadata.json'), encoding='utf-8') as f:
+    train_tokens = json.load(f)['splits']['train']['tokens']
+  config = _config(dataset_dir, **{'data.seq_len': 2 * train_tokens})
+  planned = data.load(config.data, 0, plan=True)
+  row = planned.train_batch(0, 1, slice(0, 1))
+  assert row['inputs'].shape == row['segments'].shape == (1, 2 * train_tokens)
+  assert row['mask'].sum() == train_tokens  # The whole split, then padding.
+  with pytest.raises(ConfigError, match=rf'^config\.data\.seq_len: {2 * train_tokens} is longer '
+                     rf'than the {train_tokens} tokens of the train split'):
+    data.load(config.data, 0)

@@ -166,7 +166,9 @@ class TokenSource:
   several."""
 
   def __init__(self, path: str, seq_len: int, windows: str, seed: int,
-               field: str = 'config.data.path', stream: tuple = ()):
+               field: str = 'config.data.path', stream: tuple = (), plan: bool = False):
+    """`plan`: for a plan's shapes alone (--dry_run): packed documents' splits may be shorter
+    than one window (one window of them, padded, stands for the rest)."""
     meta = read_metadata(path, field)
     if windows == 'documents' and meta['version'] < 2:
       raise ConfigError(f'{field}: {path} was prepared without a document index (format '
@@ -192,7 +194,7 @@ class TokenSource:
     self.path, self.field, self.meta, self.seq_len, self.seed = path, field, meta, seq_len, seed
     self.windows, self.stream, self.eos = windows, stream, meta['eos_id']
     self.vocab_size = meta['vocab_size']
-    if windows == 'documents' and self.train.tokens < seq_len:
+    if windows == 'documents' and self.train.tokens < seq_len and not plan:
       raise ConfigError(f'config.data.seq_len: {seq_len} is longer than the {self.train.tokens} '
                         f'tokens of the train split of {path}; lower data.seq_len or give more '
                         'text')
@@ -293,12 +295,14 @@ class TokenSource:
     return np.array(self.tokenizer.encode(text, add_special_tokens=False).ids, np.int32)
 
 
-def load(data_config: ml_collections.ConfigDict, seed: int) -> Dataset:
+def load(data_config: ml_collections.ConfigDict, seed: int, plan: bool = False) -> Dataset:
+  """The prepared tokens (or a mixture of them); a `plan` (--dry_run) compiles for shapes
+  alone, so packed documents shorter than data.seq_len are taken (TokenSource)."""
   windows = data_config.get('windows', 'documents')
   if data_config.get('sources'):
     return mixture.load(data_config, seed, functools.partial(
-        TokenSource, seq_len=data_config.seq_len, windows=windows, seed=seed))
-  source = TokenSource(data_config.path, data_config.seq_len, windows, seed)
+        TokenSource, seq_len=data_config.seq_len, windows=windows, seed=seed, plan=plan))
+  source = TokenSource(data_config.path, data_config.seq_len, windows, seed, plan=plan)
   return Dataset(task='lm', model_fields={'vocab_size': source.vocab_size},
                  train_batch=source.train_batch, eval_batches=source.eval_batches,
                  num_train=source.num_train, decode=source.decode, encode=source.encode,
@@ -343,7 +347,8 @@ def check_config(data_config: ml_collections.ConfigDict) -> None:
   read_metadata(data_config.path)
 
 
-SOURCE = DataSource(load, task='lm', check_config=check_config)
+SOURCE = DataSource(load, task='lm', check_config=check_config,
+                    plan_load=functools.partial(load, plan=True))
 
 
 def describe(meta: dict) -> str:

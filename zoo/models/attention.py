@@ -238,6 +238,10 @@ class Attention(nn.Module):
     v_BMGH = self._project('value', kv_BMD, self.num_kv_heads, kv_axes, kv_act)
     if positions_BL is None:
       positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
+    # As jax arrays: a host batch's (model.init's example) would build the L x L masks in
+    # NumPy, eagerly (16 GiB at 131,072 positions), where jnp stages them.
+    positions_BL = jnp.asarray(positions_BL)
+    segments_BL = None if segments_BL is None else jnp.asarray(segments_BL)
     if self.rotary:
       frequencies, turned = self.rope.frequencies(self.head_dim), self.rope.scale()
       if self.local_rope is not None:
