@@ -348,8 +348,7 @@ def long(out):
       row.update({'largest_batch': found['global_batch'], 'maxtext_largest': their_largest,
                   'target_largest': goal,
                   'largest_peak_gib': round((found['peak'] or 0) / 2**30, 2),
-                  # Counted per chip, or per `context` chips where a row spans them.
-                  'refused_at': found['refused_at'] * target.chips // context,
+                  'refused_at': round(found['refused_at'] * target.chips),  # Rows, global.
                   'compiles': found['compiles'], 'search_s': round(found['seconds']),
                   'other_refusals': found['other_refusals']})
     _save_row(out, 'long', row)

@@ -15,17 +15,19 @@ from zoo.parallel import context, sharding, topology
 from zoo.run import perf, setup as setup_lib
 
 
-def _attention(impl, heads, kv_heads, causal, length=128):
+def _attention(impl, heads, kv_heads, causal, length=128, query_scale_dim=0):
   return transformer.Attention(num_heads=heads, num_kv_heads=kv_heads, head_dim=16, causal=causal,
-                               implementation=impl)
+                               implementation=impl, query_scale_dim=query_scale_dim)
 
 
-@pytest.mark.parametrize('shape,heads,kv_heads,causal', [
-    ((4, 2), 8, 8, True), ((8, 1), 8, 8, True), ((1, 8), 8, 8, True),
-    ((4, 2), 8, 4, True), ((8, 1), 8, 2, True),    # Grouped-query: 2 or 1 kv head per shard.
-    ((4, 2), 8, 8, False), ((1, 8), 8, 8, False),  # Full (bidirectional) attention.
+@pytest.mark.parametrize('shape,heads,kv_heads,causal,query_scale_dim', [
+    ((4, 2), 8, 8, True, 0), ((8, 1), 8, 8, True, 0), ((1, 8), 8, 8, True, 0),
+    ((4, 2), 8, 4, True, 0), ((8, 1), 8, 2, True, 0),  # Grouped-query: 2 or 1 kv head per shard.
+    ((4, 2), 8, 8, False, 0), ((1, 8), 8, 8, False, 0),  # Full (bidirectional) attention.
+    ((4, 2), 8, 8, True, 64),  # Scores over sqrt(64), not the head size's (Gemma's scalar).
 ])
-def test_splash_equals_xla_with_gradients(shape, heads, kv_heads, causal, devices):
+def test_splash_equals_xla_with_gradients(shape, heads, kv_heads, causal, query_scale_dim,
+                                          devices):
   """Outputs and the gradients of every input and parameter within 1e-5 (float32): the
   batch over 'batch' and heads over 'model' (grouped key/value heads too)."""
   mesh = mesh_lib.make_mesh(shape, ('batch', 'model'), devices)
@@ -35,7 +37,7 @@ def test_splash_equals_xla_with_gradients(shape, heads, kv_heads, causal, device
     params = jax.jit(_attention('xla', heads, kv_heads, causal).init)(jax.random.key(1), x)
 
     def grads(impl):
-      module = _attention(impl, heads, kv_heads, causal)
+      module = _attention(impl, heads, kv_heads, causal, query_scale_dim=query_scale_dim)
       def loss(p, x):
         y = module.apply(p, x)
         return (y * weights).sum(), y

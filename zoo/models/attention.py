@@ -249,19 +249,18 @@ class Attention(nn.Module):
         turned = turned if turned == 1.0 else _select(local, self.local_rope.scale(), turned)
       q_BLNH = rope_lib.rotate(q_BLNH, positions_BL, frequencies, turned)
       k_BMGH = rope_lib.rotate(k_BMGH, positions_BL, frequencies, turned)
-    mask, causal = None, self.causal
+    mask, causal, gathered = None, self.causal, None
     scale = (self.query_scale_dim or self.head_dim) ** -0.5
     if self.decode:  # XLA's, over the whole cache: its mask is causal.
       k_BGSH, v_BGSH, mask = self._extend_cache(k_BMGH, v_BMGH, start_B, kv_act, local)
       out_BLNH = _grouped(q_BLNH, k_BGSH, v_BGSH, mask, False, scale, self.softcap, 'BGMH')
-    elif sequence_split():  # Context parallelism: keys and values gathered whole.
+    elif sequence_split():  # Context parallelism: XLA's attention gathers keys and values.
       kv_whole = ('act_batch', 'act_kv_len', kv_act[2], 'act_kv')
-      k_BMGH = nn.with_logical_constraint(k_BMGH, kv_whole)
-      v_BMGH = nn.with_logical_constraint(v_BMGH, kv_whole)
+      gathered = tuple(nn.with_logical_constraint(t, kv_whole) for t in (k_BMGH, v_BMGH))
       if context_BMD is None:
         mask = _by_position(positions_BL, causal, self.window, local, segments_BL)
         causal = False
-      out_BLNH = (_grouped(q_BLNH, k_BMGH, v_BMGH, mask, causal, scale, self.softcap)
+      out_BLNH = (_grouped(q_BLNH, *gathered, mask, causal, scale, self.softcap)
                   if self.softcap else None)
     else:
       if segments_BL is not None:
@@ -276,6 +275,8 @@ class Attention(nn.Module):
       out_BLNH = self._fused(out_BLNH, q_BLNH, k_BMGH, v_BMGH, mask, causal, scale, kv_act[2],
                              segments_BL, local)
     if out_BLNH is None:
+      if gathered:  # A split sequence: the kernels take the keys split and gather them.
+        k_BMGH, v_BMGH = gathered
       out_BLNH = jax.nn.dot_product_attention(
           q_BLNH, k_BMGH, v_BMGH, mask=mask, is_causal=causal,
           scale=scale if self.query_scale_dim else None, implementation='xla')
@@ -312,7 +313,7 @@ class Attention(nn.Module):
              splash.refusal(q_BLNH, k_BMGH, kv_axis, causal, _balanced.get()))
       if not why:
         _ran(path, requested, kernel)
-        return splash.attention(q_BLNH, k_BMGH, v_BMGH, causal, kv_axis, segments_BL)
+        return splash.attention(q_BLNH, k_BMGH, v_BMGH, causal, kv_axis, segments_BL, scale)
     elif kernel == 'cudnn':
       if requested == 'auto' and q_BLNH.dtype not in (jnp.bfloat16, jnp.float16):
         why = f'{q_BLNH.dtype} computation (cuDNN takes bfloat16 or float16)'

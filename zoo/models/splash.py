@@ -17,8 +17,9 @@ in the load-balanced order (zoo.parallel.context: chunks i and 2 x shards - 1 - 
 keys and values gathered whole. The kernel is built once for the whole [L, L] causal mask
 with `q_seq_shards` = the shards, its queries' positions (`q_sequence`) in that order, and
 shard_map hands each device its slice of the mask's block tables (`manual_sharding_spec`);
-each device puts the gathered keys, values and segment ids back in natural order, so the
-kernel skips the blocks that a query chunk cannot see. The kernel trusts that order: it
+each device all-gathers the keys, values and segment ids inside shard_map (so the backward
+pass reduce-scatters their gradients) and puts them back in natural order, so the kernel
+skips the blocks that a query chunk cannot see. The kernel trusts that order: it
 runs only where the caller says the rows were fed so (`balanced`: a language model's train
 and eval steps, whose batches Setup.arrange permutes); any other split runs XLA's
 attention, whose masks follow the tokens' positions.
@@ -29,7 +30,6 @@ from typing import Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from zoo.models.layers import platform
 from zoo.parallel import context
@@ -61,8 +61,8 @@ UNBALANCED = ("the rules split the sequence and these rows are not fed in the lo
 
 
 def splits_sequence(spec) -> bool:
-  """Whether a spec from `specs` splits the sequence or the head size (no fused kernel but
-  splash, on load-balanced rows, takes that)."""
+  """Whether a spec from `specs` splits the sequence or the head size (cuDNN's partitioner
+  takes neither)."""
   return spec[1] is not None or spec[3] is not None
 
 
@@ -79,12 +79,12 @@ def refusal(q_BLNH: jax.Array, k_BMGH: jax.Array, kv_axis: str, causal: bool = T
   spec, kv_spec = specs(kv_axis)
   shards = _mesh_size(spec[1])
   if spec[3] is not None:
-    return SPLIT_SEQUENCE
+    return 'the rules split the head size over the mesh'
   if shards > 1:
-    if not balanced:
-      return UNBALANCED
     if not causal or kv_length != length:
       return 'the rules split the sequence of attention that is not causal self-attention'
+    if not balanced:
+      return UNBALANCED
     if length % (shards * LANES):
       return (f'the rules split the sequence of {length} positions into {shards} shards, '
               f'which must be multiples of {LANES}')
@@ -112,12 +112,14 @@ def _mask(length: int, kv_length: int, causal: bool, shards: int):
 
 
 def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: bool,
-              kv_axis: str, segments_BL: Optional[jax.Array] = None) -> jax.Array:
+              kv_axis: str, segments_BL: Optional[jax.Array] = None,
+              scale: Optional[float] = None) -> jax.Array:
   """Attention of queries [B, L, N, H] over keys and values [B, M, G, H] (causal: query i
   sees keys 0..i; with `segments_BL`, self-attention, only keys of its own segment), in
   the splash kernel, for shapes it takes (`refusal` is ''). `kv_axis` is the logical name
   of the key/value heads' activations. Under a split sequence the rows are in the
-  load-balanced order and the keys and values gathered whole (zoo.models.attention)."""
+  load-balanced order and the keys and values gathered whole (zoo.models.attention).
+  Scores are scaled by `scale` (default 1/sqrt(head size))."""
   _, length, heads, head_dim = q_BLNH.shape
   kv_length = k_BMGH.shape[1]
   spec, kv_spec = specs(kv_axis)
@@ -142,30 +144,37 @@ def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: b
   P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(
       jax.sharding.get_abstract_mesh(), P(spec[2], spec[1])))
-  # Where each gathered key came from: the balanced order's inverse puts them back.
-  natural = (np.argsort(context.balanced_order(kv_length, shards)) if shards > 1 else None)
+  def natural(x, axis):  # The gathered keys' chunks back in order (a reshape, no gather).
+    if shards == 1:
+      return x
+    pairs = x.reshape(x.shape[:axis] + (shards, 2, -1) + x.shape[axis + 1:])
+    heads = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)  # Chunks 0..s-1.
+    tails = jnp.flip(jax.lax.index_in_dim(pairs, 1, axis + 1, keepdims=False), axis)
+    return jnp.concatenate([heads, tails], axis).reshape(x.shape)
+
+  def whole(x, axis):  # This shard's keys gathered over the sequence's mesh axes, in order.
+    # Gathered here, inside shard_map: the backward pass reduce-scatters their gradients.
+    return x if shards == 1 else natural(jax.lax.all_gather(x, spec[1], axis=axis, tiled=True),
+                                         axis)
 
   def one_shard(kernel, q_BNLH, k_BGMH, v_BGMH, *segments):
-    if natural is not None:
-      k_BGMH, v_BGMH = k_BGMH[:, :, natural], v_BGMH[:, :, natural]
+    k_BGMH, v_BGMH = whole(k_BGMH, 2), whole(v_BGMH, 2)
     if not segments:
       return jax.vmap(kernel)(q_BNLH, k_BGMH, v_BGMH)
-    q_segments, kv_segments = segments
-    if natural is not None:
-      kv_segments = kv_segments[:, natural]
+    q_segments, = segments
+    kv_segments = whole(q_segments, 1)
     ids = kernel_lib.SegmentIds(q=q_segments, kv=kv_segments)
     return jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=s))(q_BNLH, k_BGMH, v_BGMH,
                                                                         ids)
 
-  scale = 1.0 / math.sqrt(head_dim)
+  scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
   q_BNLH = (q_BLNH.astype(jnp.float32) * scale).astype(q_BLNH.dtype).transpose(0, 2, 1, 3)
   k_BGMH, v_BGMH = k_BMGH.transpose(0, 2, 1, 3), v_BMGH.transpose(0, 2, 1, 3)
-  q_spec = P(spec[0], spec[2], spec[1])
-  in_specs = (kernel_spec, q_spec, P(kv_spec[0], kv_spec[2]), P(kv_spec[0], kv_spec[2]))
+  q_spec, kv_in = P(spec[0], spec[2], spec[1]), P(kv_spec[0], kv_spec[2], spec[1])
+  in_specs = (kernel_spec, q_spec, kv_in, kv_in)
   args = (kernel, q_BNLH, k_BGMH, v_BGMH)
-  if segments_BL is not None:  # The keys' segment ids whole (gathered under a split).
-    ids_BL = segments_BL.astype(jnp.int32)
-    in_specs, args = in_specs + (P(spec[0], spec[1]), P(spec[0])), args + (ids_BL, ids_BL)
+  if segments_BL is not None:
+    in_specs, args = in_specs + (P(spec[0], spec[1]),), args + (segments_BL.astype(jnp.int32),)
   out_BNLH = jax.shard_map(one_shard, in_specs=in_specs, out_specs=q_spec,
                            check_vma=False)(*args)
   return out_BNLH.transpose(0, 2, 1, 3)

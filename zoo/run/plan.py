@@ -433,8 +433,8 @@ def refusal_line(p: dict, device_memory_gib: float = 0.0) -> str:
 
 
 def _row_unit(setup: setup_lib.Setup) -> int:
-  """The global rows of one example per device: the device count, or where the rules
-  split the sequence over k devices (one row spans k), the device count / k."""
+  """The rows that one more example per device adds to the global batch: the device count,
+  or the device count / k where the rules split the sequence over k devices."""
   return setup.mesh.size // sharding.sequence_shards(setup.mesh, setup.rules)
 
 
@@ -518,11 +518,12 @@ def max_batch(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
     else:
       break
     lo, hi = (probe, hi) if verdict else (lo, probe)
+
   def per_device(b):  # An int, or a fraction where a row spans several devices.
     return b * unit // setup.mesh.size if b * unit % setup.mesh.size == 0 else (
         b * unit / setup.mesh.size)
   return {'batch_per_device': per_device(lo), 'global_batch': lo * unit,
-          'peak': peaks[lo] if lo else None, 'limit': limit, 'refused_at': hi,
+          'peak': peaks[lo] if lo else None, 'limit': limit, 'refused_at': per_device(hi),
           'other_refusals': {per_device(b): c.refusal for b, programs in sorted(probes.items())
                              for c in programs.values()
                              if c.refusal and c.needed is None},
