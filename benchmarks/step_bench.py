@@ -92,13 +92,14 @@ def overhead(name, mesh_shape, block_steps, repeats, peak):
   dataset = data.load(config.data, config.seed)
   s = setup.build(config, dataset)
   with s.scope():
-    batch = feed.TrainBatches(dataset, s.batch_sharding, config.train.batch_size,
+    batch = feed.TrainBatches(dataset, s.placement, config.train.batch_size,
                           arrange=s.arrange)(0)
     zoo_state = s.create_state()
     train_step = s.jit_train_step()
     shardings = s.state_shardings
     hand = jax.jit(hand_written_step(s.model, s.optimizer),
-                   in_shardings=(shardings.params, shardings.opt_state, s.batch_sharding),
+                   in_shardings=(shardings.params, shardings.opt_state,
+                                 s.placement.shardings(s.batch)),
                    out_shardings=(shardings.params, shardings.opt_state, None),
                    donate_argnums=(0, 1))
     hand_state = [jax.tree.map(jnp.copy, zoo_state.params), jax.tree.map(jnp.copy, zoo_state.opt_state)]

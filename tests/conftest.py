@@ -263,7 +263,7 @@ class Trainer:
     self.setup = setup.build(config, self.dataset, devices=devices)
     self.mesh, self.rules, self.model = self.setup.mesh, self.setup.rules, self.setup.model
     self.shardings = self.setup.state_shardings
-    self.train_batch = feed.TrainBatches(self.dataset, self.setup.batch_sharding,
+    self.train_batch = feed.TrainBatches(self.dataset, self.setup.placement,
                                          config.train.batch_size, arrange=self.setup.arrange)
     with self.scope():
       self.initial = self.setup.create_state()

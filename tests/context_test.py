@@ -158,6 +158,8 @@ def test_a_context_mesh_trains_the_batch_that_divides_over_batch_alone(devices):
                                         'mesh.shape': (2, 4, 1)})
   plain = trainer('char_lm', **tiny, **{'mesh.shape': (2, 4)})
   assert split.batch(0)['positions'].shape == (2, 16)
+  # Each device receives only its row's sequence slice, not the whole row.
+  assert {x.data.shape for x in split.batch(0)['inputs'].addressable_shards} == {(1, 4)}
   np.testing.assert_allclose(split.run(3), plain.run(3), rtol=2e-5)
   assert ("sequence: 16 positions split 4 ways over ('context',), 4 per device; keys and values "
           'gathered in attention, rows fed load-balanced (8 chunks') in plan.format_plan(
@@ -246,6 +248,25 @@ def test_max_batch_counts_rows_that_span_the_context_axis(monkeypatch, devices):
   assert asked[0] == 1 and found['refused_at'] == 1  # 8 rows: one per device.
   assert plan.format_max_batch(found).startswith(
       'largest train batch that fits: 0.75 per device (train.batch_size=6)')
+
+
+@pytest.mark.skipif(not importlib.util.find_spec('libtpu'), reason='needs libtpu')
+def test_each_pod_host_places_only_its_devices_slices_of_the_sequence():
+  """v5p-16 (2 hosts x 4 chips) over context 8: both hosts build the batch's 2 rows, and
+  each places only the positions its chips hold (the torus interleaves the hosts along
+  'context'); the sequence fields are split on input, the per-row weights are not."""
+  from zoo.parallel import topology  # pylint: disable=import-outside-toplevel
+  config = load_config('char_lm', 'smoke,long', **{
+      'mesh.shape': (1, 8, 1), 'train.batch_size': 2, 'eval.batch_size': 2})
+  s = setup_lib.checked(config, topology.devices(topology.parse('v5p-16')), plan=True)
+  fed = s.placement.blocks(2)
+  assert fed['rows'] == {0: [0, 2], 1: [0, 2]}
+  assert fed['positions'] == {p: [[a, a + 32] for a in range(32 * p, 256, 64)] for p in (0, 1)}
+  assert {k: v.sharding.shard_shape(v.shape) for k, v in s.eval_batch().items()} == {
+      'inputs': (2, 32), 'targets': (2, 32), 'positions': (2, 32), 'weights': (2,)}
+  assert plan._hosts({'hosts': {'processes': 2, 'devices_per_process': 4, **fed}})[1] == (
+      "  of those rows' positions (in their load-balanced order), each places only: "
+      '0: 0-31 64-95 128-159 192-223, 1: 32-63 96-127 160-191 224-255')
 
 
 @pytest.mark.skipif(not importlib.util.find_spec('libtpu'), reason='needs libtpu')

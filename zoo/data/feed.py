@@ -1,10 +1,11 @@
 """From a dataset's rows to global arrays on the devices: which rows this process builds,
 their assembly into global jax.Arrays, and prefetching on a background thread."""
 import contextlib
+import dataclasses
 import itertools
 import queue
 import threading
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator, Optional, Union
 
 import jax
 
@@ -32,17 +33,84 @@ def rows_by_process(batch_sharding: jax.sharding.NamedSharding,
   return rows
 
 
-def process_rows(batch_sharding: jax.sharding.NamedSharding, global_batch_size: int) -> slice:
+def process_rows(batch_sharding: Union[jax.sharding.NamedSharding, 'Placement'],
+                 global_batch_size: int) -> slice:
   """The contiguous rows of a global batch that this process's devices hold."""
+  if isinstance(batch_sharding, Placement):
+    batch_sharding = batch_sharding.rows
   return rows_by_process(batch_sharding, global_batch_size)[jax.process_index()]
 
 
-def to_global(local_batch: dict, batch_sharding: jax.sharding.NamedSharding,
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  """Where each field of a global batch lies on the mesh: its rows over the batch axes
+  (`rows`). Where the sequence is split (context parallelism) and the rows are fed in its
+  load-balanced order, the fields that run along the `length` positions are split over
+  the context axes too (`cells`): each device then receives only its slice of them, and
+  each process places only its devices' slices of its rows."""
+  rows: jax.sharding.NamedSharding
+  cells: Optional[jax.sharding.NamedSharding] = None
+  length: int = 0
+
+  def of(self, shape: tuple) -> jax.sharding.NamedSharding:
+    """The sharding of a global field of `shape` ([rows, ...])."""
+    along = self.cells is not None and len(shape) >= 2 and shape[1] == self.length
+    return self.cells if along else self.rows
+
+  def shardings(self, batch: dict) -> Any:
+    """jax.jit's in_shardings for a batch with `batch`'s fields: the rows' sharding (a
+    prefix of every field) where no field is split along the sequence."""
+    if self.cells is None:
+      return self.rows
+    return {k: self.of(v.shape) for k, v in batch.items()}
+
+  def blocks(self, global_batch_size: int) -> dict:
+    """What each process feeds of a global batch: {'rows': {process: [start, stop]}}; where
+    fields are split along the sequence, also {'positions': {process: [[start, stop],
+    ...]}}, the spans of positions (in their fed, load-balanced order) that it places."""
+    fed = {'rows': {p: [r.start, r.stop] for p, r in
+                    rows_by_process(self.rows, global_batch_size).items()}}
+    if self.cells is not None:
+      held = {}
+      for device, index in self.cells.devices_indices_map(
+          (global_batch_size, self.length)).items():
+        held.setdefault(device.process_index, set()).add(index[1].indices(self.length)[:2])
+      fed['positions'] = {p: _merged(spans) for p, spans in sorted(held.items())}
+    return fed
+
+
+def _merged(spans: set) -> list[list[int]]:
+  """[start, stop) spans, those that touch joined, in order."""
+  out = []
+  for start, stop in sorted(spans):
+    if out and start <= out[-1][1]:
+      out[-1][1] = max(out[-1][1], stop)
+    else:
+      out.append([start, stop])
+  return out
+
+
+def to_global(local_batch: dict,
+              batch_sharding: Union[jax.sharding.NamedSharding, Placement],
               global_batch_size: int) -> dict:
-  """Global jax.Arrays from this process's rows of every field of a batch."""
+  """Global jax.Arrays from this process's rows of every field of a batch. Under a
+  Placement, each field split along the sequence goes to each device as only its slice
+  (wherever along the sequence this process's devices lie)."""
+  placement = (batch_sharding if isinstance(batch_sharding, Placement)
+               else Placement(batch_sharding))
+  first = None
   def one(x):
-    return jax.make_array_from_process_local_data(
-        batch_sharding, x, (global_batch_size,) + x.shape[1:])
+    nonlocal first
+    shape = (global_batch_size,) + x.shape[1:]
+    where = placement.of(shape)
+    if where is placement.rows:
+      return jax.make_array_from_process_local_data(where, x, shape)
+    if first is None:
+      first = process_rows(placement.rows, global_batch_size).start
+    def cut(index):  # A device's global index -> its slice of this process's rows.
+      rows = slice(*(i - first for i in index[0].indices(global_batch_size)[:2]))
+      return x[(rows,) + tuple(index[1:])]
+    return jax.make_array_from_callback(shape, where, cut)
   return jax.tree.map(one, local_batch)
 
 
@@ -56,7 +124,8 @@ class TrainBatches:
   for in step order from `start` when the dataset builds its batches ahead
   (Dataset.train_iterator, e.g. in worker processes). `close` stops those workers."""
 
-  def __init__(self, dataset: Dataset, batch_sharding: jax.sharding.NamedSharding,
+  def __init__(self, dataset: Dataset,
+               batch_sharding: Union[jax.sharding.NamedSharding, Placement],
                global_batch_size: int, start: int = 0,
                arrange: Callable[[dict], dict] = as_is):
     """`arrange`: what each local batch goes through before it is placed (Setup.arrange:
@@ -83,8 +152,8 @@ class TrainBatches:
 
 
 def eval_batches(batches: Callable[[int, slice], Iterator[dict]],
-                 batch_sharding: jax.sharding.NamedSharding, global_batch_size: int,
-                 max_batches: int = 0, arrange: Callable[[dict], dict] = as_is
+                 batch_sharding: Union[jax.sharding.NamedSharding, Placement],
+                 global_batch_size: int, max_batches: int = 0, arrange: Callable[[dict], dict] = as_is
                  ) -> Iterator[dict]:
   """The global eval batches of `batches` (a Dataset's eval_batches: (global batch size,
   rows) -> local batches), the first `max_batches` (0: all), each example once, each

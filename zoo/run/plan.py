@@ -21,7 +21,6 @@ from typing import Any, Optional
 import jax
 import ml_collections
 
-from zoo.data import feed
 from zoo.errors import ConfigError
 from zoo.models import attention, layers
 from zoo.parallel import hlo, sharding, topology
@@ -195,13 +194,14 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   totals = {name: c.memory['peak'] + _resident(name, held)
             for name, c in programs.items() if c.memory}
   refused = next((name for name, c in programs.items() if c.refusal), None)
-  rows = feed.rows_by_process(setup.batch_sharding, config.train.batch_size)
+  fed = setup.placement.blocks(config.train.batch_size)
+  processes = len(fed['rows'])
   return judged({
       'target': target.name if target else None,
       'mesh': dict(setup.mesh.shape), 'devices': setup.mesh.size,
       'platform': platform, 'device_kind': devices[0].device_kind,
-      'hosts': {'processes': len(rows), 'devices_per_process': setup.mesh.size // len(rows),
-                'rows': {p: [r.start, r.stop] for p, r in rows.items()}},
+      'hosts': {'processes': processes, 'devices_per_process': setup.mesh.size // processes,
+                **fed},
       'params': setup.param_table(), 'bytes_per_device': held,
       'sequence': _sequence(setup),
       'attention': {'requested': config.model.get('attention'), 'layers': chosen},
@@ -248,9 +248,16 @@ def _mib(n):
 def _hosts(p: dict) -> list[str]:
   hosts = p['hosts']
   spans = [f'{i}: {a}-{b - 1}' for i, (a, b) in hosts['rows'].items()]
-  shown = ', '.join(spans[:8]) + (f', ... {spans[-1]}' if len(spans) > 8 else '')
-  return [f'hosts: {hosts["processes"]} processes x {hosts["devices_per_process"]} devices; '
-          f'rows of the global batch each feeds: {shown}']
+  shown = lambda spans: ', '.join(spans[:8]) + (f', ... {spans[-1]}' if len(spans) > 8 else '')
+  lines = [f'hosts: {hosts["processes"]} processes x {hosts["devices_per_process"]} devices; '
+           f'rows of the global batch each feeds: {shown(spans)}']
+  if 'positions' in hosts:  # Context parallelism: each places only its sequence slice.
+    spans = [f'{i}: ' + ' '.join(f'{a}-{b - 1}' for a, b in held[:4])
+             + (f' ... ({len(held)} spans)' if len(held) > 4 else '')
+             for i, held in hosts['positions'].items()]
+    lines.append('  of those rows\' positions (in their load-balanced order), each places only: '
+                 + shown(spans))
+  return lines
 
 
 def _sequence(setup: setup_lib.Setup) -> Optional[dict]:

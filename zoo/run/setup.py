@@ -47,7 +47,7 @@ class Setup:
   model: nn.Module
   optimizer: optax.GradientTransformation
   lr_schedule: optax.Schedule
-  batch_sharding: jax.sharding.NamedSharding
+  batch_sharding: jax.sharding.NamedSharding  # A batch's rows: over the batch axes.
   init_state: Callable[[jax.Array], steps.TrainState]   # rng -> state with logical boxes.
   logical_state: steps.TrainState    # Its shapes; leaves nn.Partitioned with logical names.
   state_shardings: steps.TrainState  # A NamedSharding per leaf of the state.
@@ -56,6 +56,8 @@ class Setup:
   # A local batch as the devices take it: in context parallelism's load-balanced order
   # where the task's batches can be (zoo.parallel.context), else as it is.
   arrange: Callable[[dict], dict] = feed.as_is
+  # Where each field of such a batch lies: its rows, and in that order, its sequence slices.
+  placement: feed.Placement = None
   choice_tasks: tuple = ()      # Multiple-choice tasks evaluated in the loop (zoo.data.choice).
   trainable: steps.Trainable = None  # LoRA: only the adapters train (zoo.models.lora).
   # The jitted programs of this build (see `jit`), shared by every Setup that `build`
@@ -79,8 +81,7 @@ class Setup:
     size = self.config.eval.batch_size
     example = next(iter(self.dataset.eval_batches(size, slice(0, 1))))
     example = self.arrange({**self.task.train_example(example), 'weights': example['weights']})
-    return {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=self.batch_sharding)
-            for k, v in example.items()}
+    return _global(example, size, self.placement)
 
   def jit(self, fn: Callable, *args: Any, **kwargs: Any) -> Callable:
     """jax.jit(functools.partial(fn, *args, **kwargs), **jit_kwargs), where the keyword
@@ -108,12 +109,13 @@ class Setup:
     return self.jit(steps.train_step, seed=self.config.seed, task=self.task,
                     microbatches=self.config.train.microbatches, trainable=self.trainable,
                     lr_schedule=self.lr_schedule,
-                    in_shardings=(self.state_shardings, self.batch_sharding),
+                    in_shardings=(self.state_shardings, self.placement.shardings(self.batch)),
                     out_shardings=(self.state_shardings, None), donate_argnums=0)
 
   def jit_eval_step(self) -> Callable[[steps.TrainState, dict], dict]:
+    batch = self.eval_batch() if self.placement.cells is not None else {}
     return self.jit(steps.eval_step, task=self.task,
-                    in_shardings=(self.state_shardings, self.batch_sharding))
+                    in_shardings=(self.state_shardings, self.placement.shardings(batch)))
 
   def jit_score_step(self) -> Callable[[Any, dict], dict]:
     """(params, batch) -> each row's log-likelihood of its masked targets and whether they
@@ -181,12 +183,16 @@ def _build(config: ml_collections.ConfigDict, dataset: Dataset, family: ModelFam
   batch_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(sharding.batch_mesh_axes(rules) or None))
   shards = sharding.sequence_shards(mesh, rules)
-  arrange = (functools.partial(context.balance, shards=shards) if task.balanced and shards > 1
-             else feed.as_is)
+  placement = feed.Placement(batch_sharding)
+  arrange = feed.as_is
+  if task.balanced and shards > 1:  # Fed load-balanced, each process its sequence slice.
+    arrange = functools.partial(context.balance, shards=shards)
+    placement = feed.Placement(batch_sharding, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(batch_sharding.spec[0],
+                                         sharding.sequence_mesh_axes(rules))),
+        example['inputs'].shape[1])
   example = arrange(task.train_example(example))
-  size = config.train.batch_size
-  batch = {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype, sharding=batch_sharding)
-           for k, v in example.items()}
+  batch = _global(example, config.train.batch_size, placement)
   # Zeros on the host: the state's shapes need no device work.
   trainable = lora.is_adapter if getattr(model, 'lora', lora.Lora()).rank else None
   init_state = steps.state_initializer(model, optimizer, task, jax.tree.map(np.zeros_like, example),
@@ -197,7 +203,15 @@ def _build(config: ml_collections.ConfigDict, dataset: Dataset, family: ModelFam
   return dict(task=task, model=model, optimizer=optimizer, lr_schedule=lr_schedule,
               batch_sharding=batch_sharding, init_state=init_state, logical_state=logical_state,
               state_shardings=sharding.logical_shardings(logical_state, mesh, rules),
-              rng=rng, batch=batch, arrange=arrange, trainable=trainable, programs={})
+              rng=rng, batch=batch, arrange=arrange, placement=placement, trainable=trainable,
+              programs={})
+
+
+def _global(example: dict, size: int, placement: feed.Placement) -> dict:
+  """A global batch's ShapeDtypeStructs, placed, from one row of each field."""
+  return {k: jax.ShapeDtypeStruct((size,) + v.shape[1:], v.dtype,
+                                  sharding=placement.of((size,) + v.shape[1:]))
+          for k, v in example.items()}
 
 
 def _unboxed(init_state: Callable, rng: jax.Array) -> steps.TrainState:
@@ -213,6 +227,8 @@ def _key_of(part: Any) -> Any:
     return part
   if isinstance(part, tuple):
     return tuple(_key_of(p) for p in part)
+  if isinstance(part, dict):  # A batch's shardings (feed.Placement.shardings).
+    return ('dict', tuple((k, _key_of(v)) for k, v in sorted(part.items())))
   if isinstance(part, types.MethodType):  # A bound method: a new object at each lookup.
     return ('method', part.__func__, id(part.__self__))
   return ('id', id(part))

@@ -146,7 +146,7 @@ def evaluate(eval_step: Callable, state: steps.TrainState, setup: setup_lib.Setu
   result, total = {}, None
   for name, batches in parts.items():
     sums = None
-    for batch in feed.eval_batches(batches, setup.batch_sharding, config.eval.batch_size,
+    for batch in feed.eval_batches(batches, setup.placement, config.eval.batch_size,
                                    config.eval.max_batches, setup.arrange):
       out = eval_step(state, batch)
       sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
@@ -231,6 +231,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
       workdir.write_json('model_info.json', {
           'mesh': dict(mesh.shape),
           'mesh_processes': np.vectorize(lambda d: d.process_index)(mesh.devices).tolist(),
+          'feed': setup.placement.blocks(config.train.batch_size),  # Each process's block.
           'step_cost': cost, 'params': setup.param_table()})
     reporter = Reporter(setup, writer, cost, start)
     profile = profiling.Profile(config.profile.steps, workdir.path)
@@ -238,7 +239,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
     read_before = setup.dataset.examples_read() if setup.dataset.examples_read else 0
     source = rollouts.make(setup)  # GRPO: batches sampled from the policy itself.
     if source is None:
-      train_batches = feed.TrainBatches(setup.dataset, setup.batch_sharding,
+      train_batches = feed.TrainBatches(setup.dataset, setup.placement,
                                         config.train.batch_size, start, setup.arrange)
       cleanup.callback(train_batches.close)
       batches = feed.Prefetch(train_batches, start, total, config.data.prefetch)
