@@ -115,12 +115,14 @@ def test_split_sequences_give_one_devices_loss_and_gradients(mesh_name, devices)
 
 
 def test_the_balanced_order_pairs_head_and_tail_chunks():
-  """Device i holds chunks i and 2 x shards - 1 - i; every field along the sequence moves
-  with its positions; a length that does not split is refused in one line."""
+  """Device i holds chunks i and 2 x shards - 1 - i (and natural_order undoes it); every
+  field along the sequence moves with its positions; a length that does not split is
+  refused in one line."""
   np.testing.assert_array_equal(context.balanced_order(8, 2), [0, 1, 6, 7, 2, 3, 4, 5])
   order = context.balanced_order(24, 3)
   blocks = order.reshape(3, 8)  # Each device's causal work: the sum of its positions + 1.
   assert len({int((b + 1).sum()) for b in blocks}) == 1
+  np.testing.assert_array_equal(context.natural_order(order[None], 3, 1)[0], np.arange(24))
   batch = {'inputs': np.arange(8)[None] * 10, 'targets': np.arange(8)[None] + 1,
            'weights': np.ones(1)}
   out = context.balance(batch, 2)

@@ -273,7 +273,7 @@ class Attention(nn.Module):
                   if self.softcap else None)
     if not self.is_initializing():  # Init traces shapes only: XLA's below.
       out_BLNH = self._fused(out_BLNH, q_BLNH, k_BMGH, v_BMGH, mask, causal, scale, kv_act[2],
-                             segments_BL, local)
+                             segments_BL, local, context_BMD is None)
     if out_BLNH is None:
       if gathered:  # A split sequence: the kernels take the keys split and gather them.
         k_BMGH, v_BMGH = gathered
@@ -291,11 +291,11 @@ class Attention(nn.Module):
     return out_BLD
 
   def _fused(self, computed, q_BLNH, k_BMGH, v_BMGH, mask, causal, scale, kv_axis,
-             segments_BL, local):
+             segments_BL, local, self_attention):
     """The chosen kernel's output, or `computed` (XLA's, computed already for a cache or
     capped scores; None: computed after) where XLA's attention runs (recorded and, for a
-    kernel that could not take the layer, logged). Explicit 'cudnn' raises what cuDNN
-    refuses; 'auto' falls back."""
+    kernel that could not take the layer, logged). `self_attention`: the keys are the
+    queries' own sequence. Explicit 'cudnn' raises what cuDNN refuses; 'auto' falls back."""
     requested = self.implementation
     kernel = auto(platform()) if requested == 'auto' else requested
     path = '/'.join(self.scope.path)
@@ -308,7 +308,7 @@ class Attention(nn.Module):
       why = 'soft-capped scores'
     elif kernel == 'splash':
       if sequence_split():  # `causal` is False there: the masks were made from positions.
-        causal = self.causal and k_BMGH.shape[1] == q_BLNH.shape[1]
+        causal = self.causal and self_attention
       why = ('a sliding window' if self.window and local is not False else
              splash.refusal(q_BLNH, k_BMGH, kv_axis, causal, _balanced.get()))
       if not why:

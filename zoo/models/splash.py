@@ -97,18 +97,19 @@ def refusal(q_BLNH: jax.Array, k_BMGH: jax.Array, kv_axis: str, causal: bool = T
   return ''
 
 
-def _mask(length: int, kv_length: int, causal: bool, shards: int):
-  """One head's mask for the kernel: causal or full; with `shards` > 1, causal over the
+def _mask(length: int, kv_length: int, causal: bool, shards: int, heads: int):
+  """The kernel's mask of `heads` heads: causal or full; with `shards` > 1, causal over the
   queries held in the load-balanced order (each query row's position is `q_sequence`'s)."""
   # Imported here: the kernel's modules cost every zoo process ~70 ms to import.
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib  # pylint: disable=import-outside-toplevel
   shape = (length, kv_length)
   if not causal:
-    return mask_lib.FullMask(shape)
-  mask = mask_lib.CausalMask(shape)
-  if shards > 1:  # The kernel reads each query's position from q_sequence, its slice each.
-    mask.q_sequence = context.balanced_order(length, shards).astype('int32')
-  return mask
+    mask = mask_lib.FullMask(shape)
+  else:
+    mask = mask_lib.CausalMask(shape)
+    if shards > 1:  # The kernel reads each query's position from q_sequence, its slice each.
+      mask.q_sequence = context.balanced_order(length, shards).astype('int32')
+  return mask_lib.MultiHeadMask([mask] * heads)
 
 
 def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: bool,
@@ -137,25 +138,15 @@ def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: b
       block_q=q_block, block_kv=kv_block, block_kv_compute=kv_block, block_q_dkv=q_block,
       block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block, block_q_dq=q_block,
       block_kv_dq=kv_block)
-  mask = splash_attention.splash_attention_mask.MultiHeadMask(
-      [_mask(length, kv_length, causal, shards)] * heads)
-  kernel = kernel_lib.make_splash_mha(mask, block_sizes=blocks, head_shards=head_shards,
+  kernel = kernel_lib.make_splash_mha(_mask(length, kv_length, causal, shards, heads), block_sizes=blocks, head_shards=head_shards,
                                       q_seq_shards=shards, interpret=interpret)
   P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(
       jax.sharding.get_abstract_mesh(), P(spec[2], spec[1])))
-  def natural(x, axis):  # The gathered keys' chunks back in order (a reshape, no gather).
-    if shards == 1:
-      return x
-    pairs = x.reshape(x.shape[:axis] + (shards, 2, -1) + x.shape[axis + 1:])
-    heads = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)  # Chunks 0..s-1.
-    tails = jnp.flip(jax.lax.index_in_dim(pairs, 1, axis + 1, keepdims=False), axis)
-    return jnp.concatenate([heads, tails], axis).reshape(x.shape)
-
   def whole(x, axis):  # This shard's keys gathered over the sequence's mesh axes, in order.
     # Gathered here, inside shard_map: the backward pass reduce-scatters their gradients.
-    return x if shards == 1 else natural(jax.lax.all_gather(x, spec[1], axis=axis, tiled=True),
-                                         axis)
+    return x if shards == 1 else context.natural_order(
+        jax.lax.all_gather(x, spec[1], axis=axis, tiled=True), shards, axis)
 
   def one_shard(kernel, q_BNLH, k_BGMH, v_BGMH, *segments):
     k_BGMH, v_BGMH = whole(k_BGMH, 2), whole(v_BGMH, 2)

@@ -9,8 +9,11 @@ number of (query, key) pairs to compute. The permutation is applied once, on the
 every field of a batch that runs along the sequence, and each token's position travels
 with it (`positions`): attention's masks and rotary positions follow the positions, not the
 order (zoo.models.attention), and the mean loss does not depend on the order, so the
-numbers are those of the unpermuted batch.
+numbers are those of the unpermuted batch. Where a device gathers a block held in that
+order from every shard (attention's keys and values), `natural_order` puts it back.
 """
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zoo.errors import fail
@@ -28,6 +31,18 @@ def balanced_order(length: int, shards: int) -> np.ndarray:
   chunks = np.arange(length).reshape(2 * shards, -1)
   return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]])
                          for i in range(shards)])
+
+
+def natural_order(x: jax.Array, shards: int, axis: int) -> jax.Array:
+  """`x`, whose `axis` holds a sequence in the load-balanced order (balanced_order), with
+  that axis back in natural order: a reshape and a flip of the tail chunks, no gather (whose
+  gradient would be a scatter)."""
+  if shards <= 1:
+    return x
+  pairs = x.reshape(x.shape[:axis] + (shards, 2, -1) + x.shape[axis + 1:])
+  heads = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)  # Chunks 0..shards-1.
+  tails = jnp.flip(jax.lax.index_in_dim(pairs, 1, axis + 1, keepdims=False), axis)
+  return jnp.concatenate([heads, tails], axis).reshape(x.shape)
 
 
 def balance(batch: dict, shards: int) -> dict:
