@@ -1,9 +1,11 @@
 """File-backed datasets over several processes: each reads only its rows, the logged
 figures equal one process's, and a checkpoint that 2 processes wrote resumes exactly in 1:
 a mixture of two token datasets, LoRA on an imported model (only its adapters train)
-reading a token dataset, and a record dataset. A plain token dataset, the data and the
-workdir in a bucket, is gcs_test's test_two_processes_read_their_rows_of_a_bucket_dataset_...
-(char_lm from scratch: the same run, the same assertions)."""
+reading a token dataset, and a record dataset; the mixture also on 4 processes with its
+packed rows' sequence split over a 'context' axis across them. A plain token dataset, the
+data and the workdir in a bucket, is gcs_test's
+test_two_processes_read_their_rows_of_a_bucket_dataset_... (char_lm from scratch: the same
+run, the same assertions)."""
 import json
 import logging
 import os
@@ -52,6 +54,14 @@ def datasets(tmp_path_factory):
                                               'data.path': f'{root}/records'})}
 
 
+# name -> the multi-process job's processes and mesh where it is not 2 on (4,2) (the
+# 1-process reference and resume run on (4,2)). Over batch 2 x context 4 on 4 processes of
+# 2 devices, each process reads the rows of its 'batch' block and places half of their
+# sequence.
+SPLIT = {'mixture_context': (4, {'mesh.axes': "('batch','context','model')",
+                                 'mesh.shape': '(2,4,1)'})}
+
+
 def _flags(data_flags):
   # No eval sample: on 2 processes each of its tokens is a forward with collectives over
   # TCP (4 CPU-s a job); gcs_test's 2 processes sample.
@@ -64,31 +74,38 @@ def _rows(workdir):
   return [{k: v for k, v in r.items() if not k.startswith('perf/')} for r in read_metrics(workdir)]
 
 
-@pytest.mark.parametrize('name', ['mixture', 'lora', 'records'])
+@pytest.mark.parametrize('name', ['mixture', 'mixture_context', 'lora', 'records'])
 def test_two_processes_read_half_each_and_resume_in_one(name, datasets, tmp_path, devices,
                                                          caplog):
   del devices
-  experiment_name, arg, data_flags = datasets[name]
+  experiment_name, arg, data_flags = datasets[name.replace('_context', '')]
+  processes, mesh = SPLIT.get(name, (2, {}))
   flags = _flags(data_flags)
   def config():  # A fresh config for each run.
     return load_config(experiment_name, arg, **{**flags, 'mesh.shape': (4, 2)})
   reference = str(tmp_path / 'one')
   train.train_and_evaluate(config(), reference)  # 1 process, 8 devices.
   args = [f'--config={experiment(experiment_name)}:{arg}',
-          *(f'--config.{k}={v}' for k, v in flags.items())]
+          *(f'--config.{k}={v}' for k, v in {**flags, **mesh}.items())]
   workdir = tmp_path / 'two'
   result = subprocess.run(
-      [sys.executable, os.path.join(REPO, 'launch', 'local.py'), '--processes=2', '--devices=4',
+      [sys.executable, os.path.join(REPO, 'launch', 'local.py'), f'--processes={processes}',
+       f'--devices={8 // processes}',
        '--heartbeat_timeout=30', '--', *args, f'--workdir={workdir}'],
       cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
   assert result.returncode == 0, result.stdout[-3000:]
   assert 'sample at' not in result.stdout  # eval.sample=False: none.
   batch = load_config(experiment_name, arg).train.batch_size
-  for i in (0, 1):  # Each process read its half of every step's batch, and no more.
+  for i in range(processes):  # Each process read its half of every step's batch, no more.
     read = re.search(rf'\[process {i}\] .*process {i} read (\d+) training examples for '
                      rf'{2 * STEPS} steps', result.stdout)
     assert read and int(read.group(1)) == 2 * STEPS * batch // 2, result.stdout[-3000:]
-  if name == 'mixture':  # The small source went round more than once: epochs cross in it.
+  if mesh:  # Each places only its half of its rows' (packed, load-balanced) sequence.
+    with open(workdir / 'model_info.json', encoding='utf-8') as f:
+      assert json.load(f)['feed'] == {
+          'rows': {'0': [0, 8], '1': [0, 8], '2': [8, 16], '3': [8, 16]},
+          'positions': {'0': [[0, 16]], '1': [[16, 32]], '2': [[0, 16]], '3': [[16, 32]]}}
+  if name.startswith('mixture'):  # The small source went round more than once: epochs cross.
     assert re.search(r'few: train split: \d+ documents packed into (\d+) windows', result.stdout)
     windows = int(re.search(r'few: train split: \d+ documents packed into (\d+) windows',
                             result.stdout).group(1))

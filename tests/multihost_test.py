@@ -89,29 +89,6 @@ def test_hybrid_mesh_places_slices_along_the_dcn_axes(dcn, layout, one_process, 
   np.testing.assert_allclose(_losses(str(tmp_path))[0], one_process, rtol=2e-5)
 
 
-def test_a_context_axis_across_processes_matches_one_process(tmp_path):
-  """char_lm:smoke,long on batch 2 x context 4 over 4 processes x 2 devices: each row's
-  sequence is split over 2 processes, and each process places only its half of its row
-  (it builds the row whole); the losses are one process's without a context axis."""
-  config = {'train.steps': 3, 'train.log_every_steps': 1, 'eval.every_steps': 3,
-            'checkpoint.every_steps': 3, 'mesh.shape': (2, 4, 1), 'train.batch_size': 2,
-            'eval.max_batches': 1, 'eval.sample': False}
-  plain = {**config, 'mesh.axes': ('batch', 'model'), 'mesh.shape': (2, 4)}  # Whole rows.
-  train.train_and_evaluate(load_config('char_lm', 'smoke,long', **plain), str(tmp_path / 'one'))
-  result = launch(f'--config={experiment("char_lm")}:smoke,long', f'--workdir={tmp_path / "two"}',
-                  *(f'--config.{k}={v}'.replace(' ', '') for k, v in config.items()),
-                  processes=4, devices=2)
-  assert result.returncode == 0, result.stdout[-3000:]
-  with open(tmp_path / 'two' / 'model_info.json', encoding='utf-8') as f:
-    info = json.load(f)
-  assert info['mesh_processes'] == [[[0], [0], [1], [1]], [[2], [2], [3], [3]]]
-  assert info['feed'] == {'rows': {'0': [0, 1], '1': [0, 1], '2': [1, 2], '3': [1, 2]},
-                          'positions': {'0': [[0, 128]], '1': [[128, 256]], '2': [[0, 128]],
-                                        '3': [[128, 256]]}}, info['feed']
-  np.testing.assert_allclose(_losses(str(tmp_path / 'two'))[0],
-                             _losses(str(tmp_path / 'one'))[0], rtol=2e-5)
-
-
 def test_checkpoints_move_between_process_counts(one_process, two_processes, tmp_path):
   """2 processes write on (4,2); 1 process with 2 devices resumes on (2,1); 2 processes
   resume from its step on (4,2) (the writer's programs, loaded from the cache)."""
