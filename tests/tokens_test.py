@@ -275,9 +275,10 @@ def test_windows_across_shards_and_uint32_tokens(tmp_path):
   assert whole.max() > 65_536  # The wide dataset's ids really needed 32 bits.
 
 
-def test_a_plan_takes_packed_documents_shorter_than_one_window(dataset_dir):
+def test_a_plan_takes_splits_shorter_than_one_window(dataset_dir):
   """A pod plan needs only the shapes: packed documents shorter than data.seq_len load for a
-  plan (one padded window each split) and are refused, in one line, for training."""
+  plan (one padded window each split), a stream repeats its split to fill each window; both
+  are refused, in one line, for training."""
   with open(os.path.join(dataset_dir, 'metadata.json'), encoding='utf-8') as f:
     train_tokens = json.load(f)['splits']['train']['tokens']
   config = _config(dataset_dir, **{'data.seq_len': 2 * train_tokens})
@@ -287,4 +288,12 @@ def test_a_plan_takes_packed_documents_shorter_than_one_window(dataset_dir):
   assert row['mask'].sum() == train_tokens  # The whole split, then padding.
   with pytest.raises(ConfigError, match=rf'^config\.data\.seq_len: {2 * train_tokens} is longer '
                      rf'than the {train_tokens} tokens of the train split'):
+    data.load(config.data, 0)
+  config.data.windows = 'stream'
+  planned = data.load(config.data, 0, plan=True)
+  rows, evals = planned.train_batch(0, 2, slice(0, 2)), next(planned.eval_batches(2, slice(0, 2)))
+  assert rows['inputs'].shape == evals['targets'].shape == (2, 2 * train_tokens)
+  np.testing.assert_array_equal(rows['inputs'][:, train_tokens:], rows['inputs'][:, :train_tokens])
+  with pytest.raises(ConfigError, match=r'^config\.data\.path: the train split of .* has '
+                     rf'{train_tokens} tokens, fewer than data\.seq_len \+ 1'):
     data.load(config.data, 0)

@@ -167,8 +167,9 @@ class TokenSource:
 
   def __init__(self, path: str, seq_len: int, windows: str, seed: int,
                field: str = 'config.data.path', stream: tuple = (), plan: bool = False):
-    """`plan`: for a plan's shapes alone (--dry_run): packed documents' splits may be shorter
-    than one window (one window of them, padded, stands for the rest)."""
+    """`plan`: for a plan's shapes alone (--dry_run): a split may be shorter than one window
+    (packed documents: one window of them, padded, stands for the rest; a stream: the split
+    repeated to fill each window)."""
     meta = read_metadata(path, field)
     if windows == 'documents' and meta['version'] < 2:
       raise ConfigError(f'{field}: {path} was prepared without a document index (format '
@@ -200,7 +201,7 @@ class TokenSource:
                         'text')
     for split, name, fix in ((self.train, 'train', 'give it more text'),
                             (self.val, 'validation', 'prepare it with a larger --val_fraction')):
-      if windows == 'stream' and split.tokens < seq_len + 1:
+      if windows == 'stream' and split.tokens < seq_len + 1 and not plan:
         raise ConfigError(f'{field}: the {name} split of {path} has {split.tokens} tokens, '
                           f'fewer than data.seq_len + 1 = {seq_len + 1}; lower data.seq_len '
                           f'or {fix}')
@@ -257,8 +258,8 @@ class TokenSource:
       return self.train.packed(spans[self._order(positions)], ends, self.seq_len, self.eos,
                                self.masks.get('train'))
     starts = np.array([np.random.default_rng([self.seed, *self.stream, p]).integers(
-        0, self.train.tokens - self.seq_len) for p in positions.tolist()], np.int64)
-    return self._split(self.train.windows(starts, self.seq_len + 1))
+        0, max(1, self.train.tokens - self.seq_len)) for p in positions.tolist()], np.int64)
+    return self._split(self._windows(self.train, starts))
 
   def train_batch(self, step: int, global_batch_size: int, rows: slice) -> dict:
     """This process's rows of the global batch of `step`: positions step x batch + row
@@ -266,8 +267,8 @@ class TokenSource:
     if self.windows == 'documents':
       return self.train_rows(step * global_batch_size + np.arange(global_batch_size)[rows])
     starts = np.random.default_rng([self.seed, step]).integers(
-        0, self.train.tokens - self.seq_len, size=global_batch_size)[rows]
-    return self._split(self.train.windows(starts, self.seq_len + 1))
+        0, max(1, self.train.tokens - self.seq_len), size=global_batch_size)[rows]
+    return self._split(self._windows(self.train, starts))
 
   def eval_batches(self, global_batch_size: int, rows: slice) -> Iterator[dict]:
     """The validation split tiled once, with each target's UTF-8 bytes."""
@@ -278,11 +279,20 @@ class TokenSource:
                  for idx, weights in padded_rows(len(spans), global_batch_size, rows))
     else:
       window = self.seq_len + 1
-      batches = ({**self._split(self.val.windows(idx * window, window)), 'weights': weights}
-                 for idx, weights in padded_rows(self.val.tokens // window, global_batch_size,
-                                                 rows))
+      batches = ({**self._split(self._windows(self.val, idx * window)), 'weights': weights}
+                 for idx, weights in padded_rows(max(1, self.val.tokens // window),
+                                                 global_batch_size, rows))
     for batch in batches:
       yield {**batch, 'bytes': self.token_bytes[batch['targets']]}
+
+  def _windows(self, split: TokenSplit, starts: np.ndarray) -> np.ndarray:
+    """Stream windows of seq_len + 1 tokens at `starts`; of a split shorter than one (a
+    plan's, for the shapes), the split repeated to fill each."""
+    window = self.seq_len + 1
+    if split.tokens >= window:
+      return split.windows(starts, window)
+    whole = split.windows(np.zeros(1, np.int64), split.tokens)[0]
+    return np.tile(np.resize(whole, window), (len(starts), 1))
 
   @staticmethod
   def _split(w: np.ndarray) -> dict:
@@ -297,7 +307,7 @@ class TokenSource:
 
 def load(data_config: ml_collections.ConfigDict, seed: int, plan: bool = False) -> Dataset:
   """The prepared tokens (or a mixture of them); a `plan` (--dry_run) compiles for shapes
-  alone, so packed documents shorter than data.seq_len are taken (TokenSource)."""
+  alone, so splits shorter than one window are taken (TokenSource)."""
   windows = data_config.get('windows', 'documents')
   if data_config.get('sources'):
     return mixture.load(data_config, seed, functools.partial(
