@@ -352,6 +352,15 @@ def long(out):
                   'compiles': found['compiles'], 'search_s': round(found['seconds']),
                   'other_refusals': found['other_refusals']})
     _save_row(out, 'long', row)
+  # CP1's target: every multiple of 16 up to 64 fits (the search above compiles some).
+  if 'CP1 multiples of 16' not in done:
+    peaks = {}
+    for batch in (16, 32, 48, 64):
+      p = plan.make_plan(long_config(131072, 4, batch), target=topology.parse('v5p-128'))
+      peaks[batch] = round((p['compiled_memory'] or {}).get('peak', 0) / 2**30, 2)
+      peaks[batch] = peaks[batch] if p['fits'] else f'refused ({peaks[batch]})'
+    _save_row(out, 'long', {'row': 'CP1 multiples of 16', 'target': 'v5p-128',
+                            'tokens': 131072, 'context': 4, 'peak_gib': peaks})
   # CP1's pod and tokens, one sequence per chip without a context axis (what zoo could plan
   # before issue 42), and the compile-time target: CP1's train step against that one, each
   # lowered and compiled in a fresh process with the compilation cache off.
