@@ -153,8 +153,8 @@ class TrainBatches:
 
 def eval_batches(batches: Callable[[int, slice], Iterator[dict]],
                  batch_sharding: Union[jax.sharding.NamedSharding, Placement],
-                 global_batch_size: int, max_batches: int = 0, arrange: Callable[[dict], dict] = as_is
-                 ) -> Iterator[dict]:
+                 global_batch_size: int, max_batches: int = 0,
+                 arrange: Callable[[dict], dict] = as_is) -> Iterator[dict]:
   """The global eval batches of `batches` (a Dataset's eval_batches: (global batch size,
   rows) -> local batches), the first `max_batches` (0: all), each example once, each
   through `arrange` (as TrainBatches's) first."""

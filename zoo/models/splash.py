@@ -138,7 +138,8 @@ def attention(q_BLNH: jax.Array, k_BMGH: jax.Array, v_BMGH: jax.Array, causal: b
       block_q=q_block, block_kv=kv_block, block_kv_compute=kv_block, block_q_dkv=q_block,
       block_kv_dkv=kv_block, block_kv_dkv_compute=kv_block, block_q_dq=q_block,
       block_kv_dq=kv_block)
-  kernel = kernel_lib.make_splash_mha(_mask(length, kv_length, causal, shards, heads), block_sizes=blocks, head_shards=head_shards,
+  kernel = kernel_lib.make_splash_mha(_mask(length, kv_length, causal, shards, heads),
+                                      block_sizes=blocks, head_shards=head_shards,
                                       q_seq_shards=shards, interpret=interpret)
   P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(
