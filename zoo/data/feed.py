@@ -11,6 +11,7 @@ import jax
 
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError
+from zoo.parallel import context
 
 
 def rows_by_process(batch_sharding: jax.sharding.NamedSharding,
@@ -54,7 +55,7 @@ class Placement:
 
   def of(self, shape: tuple) -> jax.sharding.NamedSharding:
     """The sharding of a global field of `shape` ([rows, ...])."""
-    along = self.cells is not None and len(shape) >= 2 and shape[1] == self.length
+    along = self.cells is not None and context.along_sequence(shape, self.length)
     return self.cells if along else self.rows
 
   def shardings(self, batch: dict) -> Any:
@@ -98,15 +99,12 @@ def to_global(local_batch: dict,
   (wherever along the sequence this process's devices lie)."""
   placement = (batch_sharding if isinstance(batch_sharding, Placement)
                else Placement(batch_sharding))
-  first = None
+  first = 0 if placement.cells is None else process_rows(placement, global_batch_size).start
   def one(x):
-    nonlocal first
     shape = (global_batch_size,) + x.shape[1:]
     where = placement.of(shape)
     if where is placement.rows:
       return jax.make_array_from_process_local_data(where, x, shape)
-    if first is None:
-      first = process_rows(placement.rows, global_batch_size).start
     def cut(index):  # A device's global index -> its slice of this process's rows.
       rows = slice(*(i - first for i in index[0].indices(global_batch_size)[:2]))
       return x[(rows,) + tuple(index[1:])]

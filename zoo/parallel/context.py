@@ -45,6 +45,13 @@ def natural_order(x: jax.Array, shards: int, axis: int) -> jax.Array:
   return jnp.concatenate([heads, tails], axis).reshape(x.shape)
 
 
+def along_sequence(shape: tuple, length: int) -> bool:
+  """Whether a batch field of `shape` ([rows, ...]) runs along the `length` positions: the
+  fields that `balance` permutes, and that a split sequence places in slices
+  (zoo.data.feed.Placement)."""
+  return len(shape) >= 2 and shape[1] == length
+
+
 def balance(batch: dict, shards: int) -> dict:
   """`batch` (a language model's: inputs, targets and those of mask, segments, positions and
   bytes it has, each [rows, length]) with every field that runs along the sequence permuted
@@ -58,6 +65,6 @@ def balance(batch: dict, shards: int) -> dict:
   if 'positions' not in out:
     out['positions'] = np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length))
   for name, value in out.items():
-    if np.ndim(value) >= 2 and np.shape(value)[:2] == (rows, length):
+    if along_sequence(np.shape(value), length):
       out[name] = np.take(np.asarray(value), order, axis=1)
   return out
