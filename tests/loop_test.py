@@ -62,6 +62,38 @@ def test_metrics_are_fetched_only_at_log_steps(tmp_path, devices, monkeypatch):
   assert [r['step'] for r in read_metrics(tmp_path) if 'train/loss' in r] == [10, 20, 30, 40]
 
 
+def test_the_step_time_counts_every_step(tmp_path, devices, monkeypatch):
+  """perf/step_time_s is the devices' time per step. Each step here sleeps 0.2 s on the
+  devices (a host callback inside the step, which stamps the time it runs); the logged
+  time per step between two rows equals the stamps' spacing over the same steps. Broken
+  before 2026-11-27 (cac21fd): the reporter read the learning rate eagerly between reading
+  the clock and restarting it, and that read waited for the step already dispatched, so a
+  row left one step of its interval out: 4/5 of the time at log_every_steps=5, what issue
+  56 measured as a 25% step regression on a GPU."""
+  del devices
+  stamps, original = {}, steps.train_step
+
+  def stamp(step):
+    time.sleep(0.2)
+    stamps[int(step)] = time.perf_counter()
+    return np.float32(0)
+
+  def slow_step(state, batch, **kwargs):
+    state, metrics = original(state, batch, **kwargs)
+    slept = jax.pure_callback(stamp, jax.ShapeDtypeStruct((), np.float32), state.step)
+    return state, {**metrics, 'train/loss': metrics['train/loss'] + slept}
+  monkeypatch.setattr(steps, 'train_step', slow_step)
+  config = load_config('char_lm', **{'train.steps': 20, 'train.log_every_steps': 5,
+                                     'eval.every_steps': 20, 'checkpoint.every_steps': 20})
+  train.train_and_evaluate(config, str(tmp_path))
+  logged = {r['step']: r['perf/step_time_s'] for r in read_metrics(tmp_path)
+            if 'perf/step_time_s' in r}
+  assert sorted(logged) == [5, 10, 15, 20]
+  for step in (10, 15):  # Rows after the first, before the last step's eval.
+    devices_time = (stamps[step] - stamps[step - 5]) / 5
+    assert logged[step] == pytest.approx(devices_time, rel=0.08), (step, logged, devices_time)
+
+
 def test_state_check_finds_a_non_finite_optimizer_state(devices):
   """Adam's moments can overflow while the parameters stay finite (with an infinite second
   moment the update is 0): the check before a save looks at everything the checkpoint
