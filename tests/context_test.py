@@ -21,7 +21,7 @@ from zoo.errors import ConfigError
 from zoo.models import attention, transformer_lm
 from zoo.parallel import context, sharding
 from zoo.parallel import mesh as mesh_lib
-from zoo.run import config as cfg, plan, tasks
+from zoo.run import config as cfg, memory, plan, tasks
 from zoo.run import setup as setup_lib
 
 B, L, V = 4, 32, 61
@@ -241,8 +241,8 @@ def test_max_batch_counts_rows_that_span_the_context_axis(monkeypatch, devices):
   def probe(setup, per_device):
     asked.append(per_device)
     fits = per_device <= 3
-    return {'train': plan.Compiled(memory={'peak': per_device * 2**20}) if fits else
-            plan.Compiled(refusal='RESOURCE_EXHAUSTED: Ran out of memory on HBM', needed=2**40)}
+    return {'train': memory.Compiled(memory={'peak': per_device * 2**20}) if fits else
+            memory.Compiled(refusal='RESOURCE_EXHAUSTED: Ran out of memory on HBM', needed=2**40)}
   monkeypatch.setattr(plan, '_probe', probe)
   config = load_config('char_lm', 'smoke,long', **{'mesh.shape': (2, 4, 1), 'train.batch_size': 2})
   found = plan.max_batch(config, device_memory_gib=1)

@@ -12,7 +12,7 @@ from conftest import load_config, read_metrics, stop_at
 from zoo.models import layers
 from zoo.parallel import sharding
 from zoo.run import config as cfg
-from zoo.run import plan
+from zoo.run import memory
 from zoo.run import setup as setup_lib
 from zoo.run import steps, tasks
 
@@ -130,7 +130,7 @@ def _peak(vocab, chunks):
   s = setup_lib.checked(config, plan=True)
   with s.scope():
     state = s.abstract_state()
-    train = plan.compile_step(jax.devices()[0].platform, s.jit_train_step(), state, s.batch)
+    train = memory.compile_step(jax.devices()[0].platform, s.jit_train_step(), state, s.batch)
   return (train.memory['peak'], sharding.per_device_bytes(state.params),
           sharding.per_device_bytes(state.opt_state))
 

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import load_config, run_cli, trainer, experiment
 from zoo.parallel import hlo
-from zoo.run import plan
+from zoo.run import memory, plan
 
 
 def _device0_bytes(tree):
@@ -138,11 +138,11 @@ def test_max_batch_bisects_the_verdict_and_steps_around_other_refusals(monkeypat
     del setup
     asked.append(per_device)
     if per_device in (16, 51):
-      return {'train': plan.Compiled(refusal=vmem)}
+      return {'train': memory.Compiled(refusal=vmem)}
     if per_device > 53:
-      return {'train': plan.Compiled(refusal='RESOURCE_EXHAUSTED: Ran out of memory on HBM',
+      return {'train': memory.Compiled(refusal='RESOURCE_EXHAUSTED: Ran out of memory on HBM',
                                      needed=2**40)}
-    return {'train': plan.Compiled(memory={'peak': per_device * 2**20})}
+    return {'train': memory.Compiled(memory={'peak': per_device * 2**20})}
   monkeypatch.setattr(plan, '_probe', probe)
   found = plan.max_batch(load_config('char_lm', **{'mesh.shape': (8, 1)}), device_memory_gib=1)
   assert found['batch_per_device'] == 53 and found['global_batch'] == 53 * 8
@@ -150,7 +150,7 @@ def test_max_batch_bisects_the_verdict_and_steps_around_other_refusals(monkeypat
   assert found['other_refusals'] == {16: vmem, 51: vmem}
   assert len(asked) == len(set(asked)) == found['compiles'] < 14  # Doubling, then bisecting.
   monkeypatch.setattr(plan, '_probe',
-                      lambda setup, b: {'train': plan.Compiled(memory={'peak': 2**30 * b})})
+                      lambda setup, b: {'train': memory.Compiled(memory={'peak': 2**30 * b})})
   assert plan.max_batch(load_config('char_lm', **{'mesh.shape': (8, 1)}),
                         device_memory_gib=2.5)['batch_per_device'] == 2  # Halving from 2.
 

@@ -25,6 +25,7 @@ import numpy as np
 from zoo.data import feed
 from zoo.errors import ConfigError
 from zoo.models import decode
+from zoo.run import memory
 from zoo.run import setup as setup_lib
 from zoo.run import workdir as workdir_lib
 from zoo.store import checkpoint
@@ -66,7 +67,7 @@ class ZooLM(TemplateLM):
                                           'evaluating')
     self.max_gen_toks, self.seed = max_gen_toks, seed
     row_bytes = 4 * setup.model.max_len * (3 + setup.model.vocab_size)  # Its tokens and logits.
-    host = setup_lib.host_bytes_available()
+    host = memory.host_bytes_available()
     if host is not None and batch_size * row_bytes > host / 2:
       raise ConfigError(f'--batch_size: {batch_size} rows of {setup.model.max_len} tokens need '
                         f'{batch_size * row_bytes / 2**30:.1f} GiB of host memory, more than half '

@@ -1,13 +1,16 @@
-"""Device memory: what to change when a step does not fit, and a run's out-of-memory error as
-that one line (the plan, zoo.run.plan, gives the same advice before anything runs).
+"""Device memory: what a device lets a run use, a compiled step's memory, what to change when
+a step does not fit, and a run's out-of-memory error as that one line (the plan,
+zoo.run.plan, gives the same advice before anything runs).
 
 JAX's allocator on a GPU raises `RESOURCE_EXHAUSTED: Out of memory while trying to allocate
 54.12GiB with allocator GPU_0_bfc` as a JaxRuntimeError when a step first runs; a TPU's
 compiler refuses a program with `RESOURCE_EXHAUSTED: ... Ran out of memory in memory space
 hbm ...`. Both become a DeviceMemoryError naming what was asked and what the device has.
 """
+import dataclasses
 import re
-from typing import Optional
+import time
+from typing import Any, Optional
 
 import jax
 
@@ -17,6 +20,80 @@ from zoo.parallel import topology
 
 class DeviceMemoryError(ZooError, MemoryError):
   """A step needs more device memory than the devices have."""
+
+
+def host_bytes_available() -> Optional[int]:
+  """The host memory a process can still take (Linux's MemAvailable), if known."""
+  try:
+    with open('/proc/meminfo', encoding='ascii') as f:
+      info = dict(line.split(':', 1) for line in f)
+    return int(info['MemAvailable'].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    return None
+
+
+def limit_per_device() -> tuple[Optional[int], str]:
+  """(bytes each of this process's devices may use, where that figure comes from): what an
+  accelerator's runtime lets JAX use, or on CPU the host's free memory shared by its
+  devices; (None, '') where neither is known."""
+  local = jax.local_devices()
+  usable = topology.local_memory(local[0])
+  if usable:
+    return usable[0], f'a {local[0].device_kind} device has'
+  host = host_bytes_available()
+  if host is None:
+    return None, ''
+  return host // len(local), (f'this host has free for each of its {len(local)} devices'
+                              if len(local) > 1 else 'this host has free')
+
+
+@dataclasses.dataclass
+class Compiled:
+  """One step compiled for the plan's devices, or the compiler's refusal."""
+  program: Any = None            # The compiled program, if it compiled.
+  memory: Optional[dict] = None  # Per device: arguments, outputs, aliased, ..., peak.
+  seconds: float = 0.0
+  refusal: str = ''              # The compiler's first line, if it refused.
+  needed: Optional[int] = None   # An HBM refusal's figures (bytes per device).
+
+  @property
+  def peak(self) -> Optional[int]:
+    """Its peak per device, or what a refusal said it needs; None where neither is known."""
+    return self.memory['peak'] if self.memory else self.needed
+
+
+def compiled_memory(program, platform: str) -> Optional[dict]:
+  """Per device: the analysis's sizes, and the peak: on TPU the compiler's own (its
+  temporaries are not all live at once, and a sum refuses batches it accepts), elsewhere
+  the sum of what is live at once at worst."""
+  m = program.memory_analysis()
+  if m is None:
+    return None
+  memory = {'arguments': m.argument_size_in_bytes, 'outputs': m.output_size_in_bytes,
+            'aliased': m.alias_size_in_bytes, 'temporaries': m.temp_size_in_bytes,
+            'code': m.generated_code_size_in_bytes}
+  if platform == 'tpu':
+    memory['peak'] = m.peak_memory_in_bytes
+  else:  # Donated state: outputs that alias arguments take no extra memory.
+    memory['peak'] = (memory['arguments'] + memory['outputs'] - memory['aliased']
+                      + memory['temporaries'] + memory['code'])
+  return memory
+
+
+def compile_step(platform: str, jitted, *args) -> Compiled:
+  """Lowers and compiles for `platform`'s devices; a RESOURCE_EXHAUSTED refusal is
+  returned, not raised."""
+  t0 = time.perf_counter()
+  lowered = jitted.lower(*args)
+  try:
+    program = lowered.compile()
+  except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError and kin.
+    if 'RESOURCE_EXHAUSTED' not in str(e):
+      raise
+    figures = topology.oom_figures(str(e))
+    return Compiled(seconds=time.perf_counter() - t0, refusal=str(e).strip().splitlines()[0],
+                    needed=figures[0] if figures else None)
+  return Compiled(program, compiled_memory(program, platform), time.perf_counter() - t0)
 
 
 def advice(platform: str) -> str:

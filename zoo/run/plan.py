@@ -22,71 +22,11 @@ import jax
 import ml_collections
 
 from zoo.errors import ConfigError
-from zoo.models import attention, layers
+from zoo.models import attention
 from zoo.parallel import hlo, sharding, topology
 from zoo.run import config as cfg
-from zoo.run import memory, perf, rollouts
+from zoo.run import chunks, memory, perf, rollouts
 from zoo.run import setup as setup_lib
-
-
-@dataclasses.dataclass
-class Compiled:
-  """One step compiled for the plan's devices, or the compiler's refusal."""
-  program: Any = None            # The compiled program, if it compiled.
-  memory: Optional[dict] = None  # Per device: arguments, outputs, aliased, ..., peak.
-  seconds: float = 0.0
-  refusal: str = ''              # The compiler's first line, if it refused.
-  needed: Optional[int] = None   # An HBM refusal's figures (bytes per device).
-
-
-def _memory(program, platform: str) -> Optional[dict]:
-  """Per device: the analysis's sizes, and the peak: on TPU the compiler's own (its
-  temporaries are not all live at once, and a sum refuses batches it accepts), elsewhere
-  the sum of what is live at once at worst."""
-  m = program.memory_analysis()
-  if m is None:
-    return None
-  memory = {'arguments': m.argument_size_in_bytes, 'outputs': m.output_size_in_bytes,
-            'aliased': m.alias_size_in_bytes, 'temporaries': m.temp_size_in_bytes,
-            'code': m.generated_code_size_in_bytes}
-  if platform == 'tpu':
-    memory['peak'] = m.peak_memory_in_bytes
-  else:  # Donated state: outputs that alias arguments take no extra memory.
-    memory['peak'] = (memory['arguments'] + memory['outputs'] - memory['aliased']
-                      + memory['temporaries'] + memory['code'])
-  return memory
-
-
-def compile_step(platform: str, jitted, *args) -> Compiled:
-  """Lowers and compiles for `platform`'s devices; a RESOURCE_EXHAUSTED refusal is
-  returned, not raised."""
-  t0 = time.perf_counter()
-  lowered = jitted.lower(*args)
-  try:
-    program = lowered.compile()
-  except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError and kin.
-    if 'RESOURCE_EXHAUSTED' not in str(e):
-      raise
-    figures = topology.oom_figures(str(e))
-    return Compiled(seconds=time.perf_counter() - t0, refusal=str(e).strip().splitlines()[0],
-                    needed=figures[0] if figures else None)
-  return Compiled(program, _memory(program, platform), time.perf_counter() - t0)
-
-
-def _loss_held(setup: setup_lib.Setup) -> Optional[dict]:
-  """A language model's loss: its chunks of the sequence and one chunk's float32 logits per
-  device (what it holds at a time, twice in the backward pass: logits and their gradient)."""
-  model = setup.model
-  if not hasattr(model, 'loss_chunks'):
-    return None
-  batch, length = setup.batch['inputs'].shape
-  vocab = layers.padded_vocab_size(model.vocab_size)
-  chunks = layers.loss_chunks(model.loss_chunks, length, vocab)
-  rows = setup.batch_sharding.shard_shape((batch,))[0] // setup.config.train.microbatches
-  vocab_axes = next((axes for name, axes in setup.rules if name == 'act_vocab'), None)
-  vocab_shards = math.prod(setup.mesh.shape[a] for a in sharding.mesh_axes_of(vocab_axes))
-  return {'chunks': chunks, 'tokens': length // chunks,
-          'bytes': 4 * rows * (length // chunks) * (vocab // vocab_shards)}
 
 
 def _experts_held(setup: setup_lib.Setup) -> Optional[dict]:
@@ -154,7 +94,7 @@ def _held(setup: setup_lib.Setup, state: Any) -> dict:
           'model_state': sharding.per_device_bytes(state.model_state)}
   held['other'] = sharding.per_device_bytes(state) - sum(held.values())  # The step counter.
   if setup.task.name == 'grpo':
-    held['reference'] = held['params'] if rollouts.holds_reference(setup) else 0
+    held['reference'] = rollouts.reference_bytes(setup)
   return held
 
 
@@ -172,22 +112,30 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
   devices = topology.devices(target) if target else jax.devices()
   cfg.validate(config, len(devices))
   setup = setup_lib.checked(config, devices, plan=True)
-  with setup.scope(), attention.recording() as chosen:
-    state = setup.abstract_state()
-    platform = devices[0].platform
-    train = compile_step(platform, setup.jit_train_step(), state, setup.batch)
-    evaluate = compile_step(platform, setup.jit_eval_step(), state, setup.eval_batch())
-    rollout = (compile_step(platform, rollouts.program(setup), state.params,
-                            *rollouts.abstract_inputs(setup))
-               if setup.task.name == 'grpo' else None)
-    rollout_held = _rollout_held(setup, state) if rollout is not None else None
+  usable, usable_source = _usable(target, devices[0] if target else jax.local_devices()[0])
+  budget = device_memory_gib * 2**30 if device_memory_gib else None
+  limit = _limit(budget, usable)
+  with attention.recording() as chosen:
+    # Outside the mesh's scope: another build of the setup makes its key eagerly, which
+    # compile-only devices cannot.
+    setup, loss = chunks.fitted(setup, limit, '--device_memory_gib' if limit and limit == budget
+                                else usable_source)
+    with setup.scope():
+      state = setup.abstract_state()
+      platform = devices[0].platform
+      train = ((loss and loss.compiled)  # Compiled while choosing the loss's chunks.
+               or memory.compile_step(platform, setup.jit_train_step(), state, setup.batch))
+      evaluate = memory.compile_step(platform, setup.jit_eval_step(), state, setup.eval_batch())
+      rollout = (memory.compile_step(platform, rollouts.program(setup), state.params,
+                                     *rollouts.abstract_inputs(setup))
+                 if setup.task.name == 'grpo' else None)
+      rollout_held = _rollout_held(setup, state) if rollout is not None else None
   held = dict(_held(setup, state), batch=sharding.per_device_bytes(setup.batch))
   if setup.trainable:  # LoRA: what a full fine-tune's optimizer would hold, to compare.
     full = config.copy_and_resolve_references()
     full.model.lora.rank = 0
     held['optimizer_full_fine_tune'] = sharding.per_device_bytes(setup_lib.build(
         full, setup.dataset, mesh=setup.mesh, rules=setup.rules).abstract_state().opt_state)
-  usable, usable_source = _usable(target, devices[0] if target else jax.local_devices()[0])
   programs = {'train': train, 'eval': evaluate}
   if rollout is not None:
     programs['rollout'] = rollout
@@ -205,7 +153,9 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
       'params': setup.param_table(), 'bytes_per_device': held,
       'sequence': _sequence(setup),
       'attention': {'requested': config.model.get('attention'), 'layers': chosen},
-      'loss': _loss_held(setup), 'experts': _experts_held(setup),
+      'loss': loss and {'chunks': loss.chunks, 'tokens': loss.tokens, 'bytes': loss.logit_bytes,
+                        'reason': loss.reason, 'peaks': loss.peaks},
+      'experts': _experts_held(setup),
       'compiled_memory': train.memory, 'eval_memory': evaluate.memory,
       'rollout': dict(rollout_held, memory=rollout.memory) if rollout is not None else None,
       'totals': totals, 'usable_bytes': usable, 'usable_source': usable_source,
@@ -328,8 +278,7 @@ def _loss_lines(p: dict) -> list[str]:
   held = p.get('loss')
   if not held:
     return []
-  return [f'loss: logits of {held["chunks"]} chunk(s) of {held["tokens"]} tokens in turn, one '
-          f'live at a time: {_mib(held["bytes"])} per device (float32; model.loss_chunks)']
+  return [chunks.Choice(held['chunks'], held['tokens'], held['bytes'], held['reason']).line()]
 
 
 def _experts_lines(p: dict) -> list[str]:
@@ -457,10 +406,10 @@ def _probe(setup: setup_lib.Setup, per_device: int) -> dict:
   platform = probe.mesh.devices.flat[0].platform
   with probe.scope():
     state = probe.abstract_state()
-    programs = {'train': compile_step(platform, probe.jit_train_step(), state, batch)}
+    programs = {'train': memory.compile_step(platform, probe.jit_train_step(), state, batch)}
     if probe.task.name == 'grpo':
-      programs['rollout'] = compile_step(platform, rollouts.program(probe), state.params,
-                                         *rollouts.abstract_inputs(probe))
+      programs['rollout'] = memory.compile_step(platform, rollouts.program(probe),
+                                                state.params, *rollouts.abstract_inputs(probe))
   return programs
 
 

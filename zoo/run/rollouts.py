@@ -125,6 +125,14 @@ def holds_reference(setup: setup_lib.Setup) -> bool:
   return bool(setup.task.beta) and not setup.trainable
 
 
+def reference_bytes(setup: setup_lib.Setup) -> int:
+  """Per device, the reference parameters a GRPO run keeps resident beside the policy's
+  state (holds_reference); 0 for other tasks."""
+  if setup.task.name != 'grpo' or not holds_reference(setup):
+    return 0
+  return sharding.per_device_bytes(setup.abstract_state().params)
+
+
 class Rollouts:
   """The GRPO batches of a run: `batch(state, step)`, its figures in `metrics`, and
   `evaluate(params, step)`."""

@@ -9,6 +9,7 @@ import numpy as np
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError
 from zoo.models import decode
+from zoo.run import memory
 from zoo.run import setup as setup_lib
 from zoo.run import workdir as workdir_lib
 from zoo.store import checkpoint
@@ -74,7 +75,7 @@ def generate(workdir: str, prompts: Sequence[str] = ('',), num_tokens: int = 200
     encoded.append((prompt, np.asarray(ids, np.int32), hidden))
   longest = max(len(ids) for _, ids, _ in encoded)
   row_bytes = 4 * (longest + num_tokens + vocab_size)  # Its ids and one step's logits.
-  host = setup_lib.host_bytes_available()
+  host = memory.host_bytes_available()
   if host is not None and len(encoded) * num_samples * row_bytes > host:
     raise ConfigError(f'--num_samples: {len(encoded)} prompts x {num_samples} samples need '
                       f'{len(encoded) * num_samples * row_bytes / 2**30:.1f} GiB of host memory '

@@ -32,7 +32,7 @@ from zoo.models.family import ModelFamily
 from zoo.parallel import mesh as mesh_lib
 from zoo.parallel import context, sharding
 from zoo.run import config as cfg
-from zoo.run import optim, steps, tasks
+from zoo.run import memory, optim, steps, tasks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,16 +291,6 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
   return setup
 
 
-def host_bytes_available() -> Optional[int]:
-  """The host memory a process can still take (Linux's MemAvailable), if known."""
-  try:
-    with open('/proc/meminfo', encoding='ascii') as f:
-      info = dict(line.split(':', 1) for line in f)
-    return int(info['MemAvailable'].split()[0]) * 1024
-  except (OSError, KeyError, ValueError):
-    return None
-
-
 def _path_name(path: tuple) -> str:
   return '/'.join(str(getattr(k, 'key', getattr(k, 'name', k))) for k in path)
 
@@ -328,20 +318,11 @@ def check_memory(setup: Setup) -> None:
   a typo like model.max_len=1e9 would otherwise allocate for minutes. Not a plan (the
   step's temporaries are not counted): `--dry_run` compiles the step and checks those."""
   config, state = setup.config, setup.abstract_state()
-  local = jax.local_devices()
   shard = lambda x: math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
   leaves = jax.tree_util.tree_leaves_with_path(state)
   per_device = sum(shard(x) for _, x in leaves)
   largest_path, largest = max(leaves, key=lambda kv: shard(kv[1]))
-  host = host_bytes_available()
-  stats = local[0].memory_stats() or {}
-  if stats.get('bytes_limit'):
-    limit, where = stats['bytes_limit'], f'a {local[0].device_kind} device has'
-  elif host is not None:
-    limit, where = host // len(local), (f'this host has free for each of its {len(local)} '
-                                       'devices' if len(local) > 1 else 'this host has free')
-  else:
-    limit = None
+  limit, where = memory.limit_per_device()
   if limit is not None and per_device > limit:
     field = _field_of(config, largest.shape)
     raise ConfigError(
@@ -349,6 +330,7 @@ def check_memory(setup: Setup) -> None:
         f'{_path_name(largest_path)} {tuple(largest.shape)} {largest.dtype}), more '
         f'than the {_gib(limit)} {where}; lower {field}, or shard more (mesh.shape, '
         'fsdp rules). --dry_run plans a run without running it')
+  host = memory.host_bytes_available()
   if host is None:
     return
   row_bytes = sum(math.prod(x.shape[1:]) * x.dtype.itemsize for x in setup.batch.values())

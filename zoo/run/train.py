@@ -14,7 +14,7 @@ from zoo.data import choice, feed
 from zoo.errors import NonFiniteError
 from zoo.parallel import sharding
 from zoo.run import config as cfg
-from zoo.run import memory, perf, profiling, reference, rollouts, steps
+from zoo.run import chunks, memory, perf, profiling, reference, rollouts, steps
 from zoo.run import setup as setup_lib
 from zoo.store import checkpoint, metrics
 from zoo.store.workdir import Workdir
@@ -203,6 +203,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
   cfg.validate(config, jax.device_count())
   workdir.check_writable()
   setup = setup_lib.checked(config)
+  setup, loss_chunks = chunks.fitted(setup)  # May compile the train step: the loop reuses it.
   mesh, total, is_main = setup.mesh, config.train.steps, jax.process_index() == 0
   with setup.scope(), contextlib.ExitStack() as cleanup:  # Cleanups all run, last first.
     owner = workdir.hold(config.checkpoint.lease_seconds)  # Or exits: another job has it.
@@ -220,6 +221,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
       reference.attach(setup, state, workdir)
     logging.info('mesh %s; config:\n%s', dict(mesh.shape), config)
     logging.info('parameters:\n%s', sharding.format_param_table(setup.param_table()))
+    if loss_chunks:
+      logging.info('%s', loss_chunks.line())
     writer = metrics.MetricWriter(workdir.path, is_main, start,
                                   metrics.tracker(config, workdir.path))
     cleanup.callback(writer.close)
