@@ -6,29 +6,38 @@ instead, on one CUDA GPU, both measured in the same run. Not a test.
     python benchmarks/gpu_bench.py --rows=llama-3.2-1b \
         --zoo_flags=--config.model.embedding_grad=sorted     # Another zoo setting, same peer.
 
-Rows (same batch, sequence length and layer shapes on both sides):
+Rows (same batch, sequence length and layer shapes on both sides; the issue-56 target of
+zoo / peer in brackets):
   char_lm:100m   zoo's experiments/char_lm.py:100m (12 x 768, batch 32 x 1024, the char data's
-                 vocabulary, 128 padded) against transformers' GPT2LMHeadModel of that shape.
-  char_lm:1b     char_lm.py:1b (20 x 2048, batch 16 x 1024) against GPT2LMHeadModel.
+                 vocabulary, 128 padded) against a nanoGPT-style GPT-2 of that shape [1.3].
+  char_lm:1b     char_lm.py:1b (20 x 2048, batch 16 x 1024) against the nanoGPT-style GPT-2
+                 [1.15].
   llama-3.2-1b   the Llama-3.2-1B shape (16 layers, d 2048, 32 query / 8 key-value heads, SwiGLU
                  8192, RMSNorm 1e-5, rotary theta 500,000, vocabulary 128,256 with an untied head,
                  batch 16 x 1024) as char_lm.py:1b with --config.model.* overrides, trained on
                  the standard library's .py files as a 32k byte-level BPE token dataset with packed
                  documents (`python -m zoo.prepare text ...`, made here, or reused from
                  --data_dir); the 128,256 vocabulary pads the data's 32,768. Peer:
-                 LlamaForCausalLM.
+                 transformers' LlamaForCausalLM [1.15].
+  llama-3.2-1b:whole   the same with the loss on whole logits (model.loss_chunks=1): auto's
+                 chunks against none [zoo / zoo: at least 0.95].
   llama-3.2-1b:stream  the same on `data.windows=stream` (windows cut across documents): the
-                 ratio of the two is what packed documents cost; the peer is run once.
+                 ratio of the two is what packed documents cost [at least 0.95].
+  The three Llama rows share one run of the peer.
 zoo runs as a user runs it, one subprocess a row: `python -m zoo.main --config=... --workdir=TMP
 --config.train.steps=N ...`, evals and checkpoints only after the last step (zoo always does
 both there; the workdir, 12 GB for a 1b checkpoint, is deleted after the row). Its tokens/s and
 MFU are the medians of metrics.jsonl's `perf/tokens_per_s` and `perf/mfu` rows after the first
 (which includes compilation). Its peak is the device allocator's `peak_bytes_in_use`, read by a
 few-line bootstrap that runs zoo.main unchanged and asks JAX after train_and_evaluate returns.
-The peer, one subprocess a row too (`--torch_row=NAME`), is random weights in float32 with
-attn_implementation='sdpa', bfloat16 autocast, torch.compile(model), AdamW(fused=True) and
-TF32 matmuls, stepping on random token ids with labels=ids (the model's own shifted loss, 1,023
-targets a row; tokens/s counts 1,024 as zoo's does).
+The peer, one subprocess a row too (`--torch_row=NAME`), is random weights in float32,
+bfloat16 autocast, torch.compile(model), AdamW(fused=True), TF32 matmuls and SDPA's flash
+kernel (`sdpa_kernel(FLASH_ATTENTION)`; where it refuses the call, SDPA's own choice, said in
+the notes), stepping on random token ids with the model's own shifted loss (1,023 targets a
+row; tokens/s counts 1,024 as zoo's does). The GPT-2 peer is nanoGPT's design written in
+this file (`nanogpt`: one fused query/key/value projection, scaled_dot_product_attention with
+is_causal, GELU MLP), shaped as char_lm (no projection biases, an untied head); the Llama
+peer is transformers' with attn_implementation='sdpa'.
 Its tokens/s is the median of blocks of --log_every steps after the first block (compilation),
 timed between torch.cuda.synchronize(); its peak torch.cuda.max_memory_allocated(). MFU on
 both sides is zoo's model-FLOPs count (zoo.models.transformer_lm.train_flops: 6 N tokens +
@@ -36,7 +45,8 @@ both sides is zoo's model-FLOPs count (zoo.models.transformer_lm.train_flops: 6 
 (zoo.run.perf: 989 TFLOP/s for an H100 SXM). The peer keeps its activations (no remat).
 
 Prints a table and writes --out (JSON: GPU, driver, jax/jaxlib/torch/transformers versions,
-each row's commands and medians). Without a CUDA GPU (JAX's backend not gpu and
+each row's commands, medians, ratio, target and whether it is met, and the zoo-to-zoo
+ratios). Without a CUDA GPU (JAX's backend not gpu and
 torch.cuda unavailable) it prints one line and exits 0; --smoke shrinks every shape (2 layers,
 d 64, sequence 64, batch 4, 6 steps) and runs anywhere to check the code paths.
 The GPU numbers in README.md and docs/performance.md come from one NVIDIA H100 80GB HBM3
@@ -44,6 +54,7 @@ The GPU numbers in README.md and docs/performance.md come from one NVIDIA H100 8
 transformers 5.17); see their tables for the numbers.
 """
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -74,19 +85,29 @@ class Shape:
 @dataclasses.dataclass(frozen=True)
 class Row:
   config: str     # The zoo experiment, experiments/<name>.py:<arg>.
-  peer: str       # 'gpt2' or 'llama'.
+  peer: str       # 'nanogpt' or 'llama'.
   shape: Shape
   windows: str = 'documents'  # Token datasets: packed documents, or 'stream' windows.
+  flags: tuple = ()           # zoo.main flags of this row beside the shape's.
+  target: float | None = None  # zoo / peer tokens per second wanted (issue 56).
 
 
+LLAMA_1B = Shape(16, 2048, 32, 8, 8192, 128256, 16, 1024)
 ROWS = {
-    'char_lm:100m': Row('char_lm:100m', 'gpt2', Shape(12, 768, 12, 12, 3072, 128, 32, 1024)),
-    'char_lm:1b': Row('char_lm:1b', 'gpt2', Shape(20, 2048, 16, 16, 8192, 128, 16, 1024)),
-    'llama-3.2-1b': Row('char_lm:1b', 'llama', Shape(16, 2048, 32, 8, 8192, 128256, 16, 1024)),
+    'char_lm:100m': Row('char_lm:100m', 'nanogpt', Shape(12, 768, 12, 12, 3072, 128, 32, 1024),
+                        target=1.3),
+    'char_lm:1b': Row('char_lm:1b', 'nanogpt', Shape(20, 2048, 16, 16, 8192, 128, 16, 1024),
+                      target=1.15),
+    'llama-3.2-1b': Row('char_lm:1b', 'llama', LLAMA_1B, target=1.15),
+    # The same with the loss on whole logits: auto's chunks against none (target: within 5%).
+    'llama-3.2-1b:whole': Row('char_lm:1b', 'llama', LLAMA_1B,
+                              flags=('--config.model.loss_chunks=1',)),
     # The same on windows cut across documents: packed documents' cost (target: within 5%).
-    'llama-3.2-1b:stream': Row('char_lm:1b', 'llama', Shape(16, 2048, 32, 8, 8192, 128256, 16,
-                                                            1024), windows='stream'),
+    'llama-3.2-1b:stream': Row('char_lm:1b', 'llama', LLAMA_1B, windows='stream'),
 }
+# Ratios of two zoo rows the issue sets targets for: (name, numerator, denominator, at least).
+ZOO_RATIOS = (('auto chunks / whole logits', 'llama-3.2-1b', 'llama-3.2-1b:whole', 0.95),
+              ('packed documents / stream windows', 'llama-3.2-1b', 'llama-3.2-1b:stream', 0.95))
 LLAMA = dict(norm='rms', norm_epsilon=1e-5, mlp_activation='swiglu', positions='rotary',
              rope_theta=500000.0, tie_embeddings=False)
 BPE_VOCAB, SMOKE_BPE_VOCAB = 32768, 512
@@ -223,7 +244,7 @@ def zoo_flags(row: Row, s: Shape, steps: int, log_every: int, data_dir: str) -> 
            f'--config.eval.batch_size={s.batch}', '--config.eval.max_batches=1']
   flags += [f'--config.model.{k}={v}' for k, v in model.items()]
   flags += [f'--config.data.{k}={v}' for k, v in data.items()]
-  return flags, notes
+  return flags + list(row.flags), notes
 
 
 def run_zoo(row: Row, s: Shape, args, scratch: str, data_dir: str) -> dict:
@@ -255,14 +276,62 @@ def run_zoo(row: Row, s: Shape, args, scratch: str, data_dir: str) -> dict:
       os.remove(peak_file)
 
 
+def nanogpt(s: Shape):
+  """A GPT-2 as nanoGPT writes it (its model.py's design, written here): pre-norm blocks of
+  one fused query/key/value projection, scaled_dot_product_attention(is_causal=True) and a
+  GELU MLP, learned positions; shaped as zoo's char_lm (no biases on the projections,
+  LayerNorm with bias, an untied head). Returns a module whose forward(ids) is the mean
+  next-token cross-entropy."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from torch import nn  # pylint: disable=import-outside-toplevel
+  functional = torch.nn.functional
+
+  class Block(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.ln_1, self.ln_2 = nn.LayerNorm(s.d_model), nn.LayerNorm(s.d_model)
+      self.qkv = nn.Linear(s.d_model, 3 * s.d_model, bias=False)
+      self.out = nn.Linear(s.d_model, s.d_model, bias=False)
+      self.mlp = nn.Sequential(nn.Linear(s.d_model, s.mlp_dim, bias=False),
+                               nn.GELU(approximate='tanh'),
+                               nn.Linear(s.mlp_dim, s.d_model, bias=False))
+
+    def forward(self, x):
+      b, t, d = x.shape
+      q, k, v = (y.view(b, t, s.heads, d // s.heads).transpose(1, 2)
+                 for y in self.qkv(self.ln_1(x)).split(d, dim=2))
+      y = functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+      x = x + self.out(y.transpose(1, 2).reshape(b, t, d))
+      return x + self.mlp(self.ln_2(x))
+
+  class GPT(nn.Module):
+    def __init__(self):
+      super().__init__()
+      self.wte, self.wpe = nn.Embedding(s.vocab, s.d_model), nn.Embedding(s.seq, s.d_model)
+      self.blocks = nn.ModuleList(Block() for _ in range(s.layers))
+      self.ln_f = nn.LayerNorm(s.d_model)
+      self.head = nn.Linear(s.d_model, s.vocab, bias=False)
+      for name, p in self.named_parameters():  # GPT-2's initialisation.
+        if p.dim() > 1:
+          nn.init.normal_(p, std=0.02 / (2 * s.layers) ** 0.5 if name.endswith(
+              ('out.weight', 'mlp.2.weight')) else 0.02)
+
+    def forward(self, ids):
+      x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+      for block in self.blocks:
+        x = block(x)
+      logits = self.head(self.ln_f(x))
+      return functional.cross_entropy(logits[:, :-1].reshape(-1, s.vocab).float(),
+                                      ids[:, 1:].reshape(-1))
+  return GPT()
+
+
 def build_peer(peer: str, s: Shape):
+  if peer == 'nanogpt':
+    return nanogpt(s)
   import transformers  # pylint: disable=import-outside-toplevel
   transformers.logging.set_verbosity_error()
   common = dict(bos_token_id=None, eos_token_id=None, use_cache=False, attn_implementation='sdpa')
-  if peer == 'gpt2':
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=s.layers, n_embd=s.d_model, n_head=s.heads, n_inner=s.mlp_dim, n_positions=s.seq,
-        vocab_size=s.vocab, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common))
   return transformers.LlamaForCausalLM(transformers.LlamaConfig(
       vocab_size=s.vocab, hidden_size=s.d_model, intermediate_size=s.mlp_dim,
       num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
@@ -290,14 +359,33 @@ def torch_row(args) -> None:
   step_model = model if args.no_compile else torch.compile(model)
   ids = torch.randint(0, s.vocab, (s.batch, s.seq), device=device)
   sync = torch.cuda.synchronize if cuda else lambda: None
+  forward = ((lambda: step_model(ids)) if row.peer == 'nanogpt' else
+             (lambda: step_model(input_ids=ids, labels=ids).loss))
+  # Flash attention: SDPA's flash kernel alone, where it takes the call (else SDPA's choice).
+  attention = contextlib.nullcontext
+  if cuda:
+    from torch.nn.attention import SDPBackend, sdpa_kernel  # pylint: disable=import-outside-toplevel
+    attention = lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)
 
   def step():
-    with torch.autocast(device, dtype=torch.bfloat16):
-      loss = step_model(input_ids=ids, labels=ids).loss
+    with torch.autocast(device, dtype=torch.bfloat16), attention():
+      loss = forward()
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
+
+  try:
+    step()  # Compiles; fails here if the flash kernel cannot take the model's call.
+  except RuntimeError as e:
+    if attention is contextlib.nullcontext:
+      raise
+    notes.append(f'torch: SDPA\'s flash kernel refused ({str(e).splitlines()[0][:120]}): '
+                 'SDPA chose its kernel')
+    attention = contextlib.nullcontext
+    torch._dynamo.reset()  # pylint: disable=protected-access
+    step_model = model if args.no_compile else torch.compile(model)
+    opt.zero_grad(set_to_none=True)
 
   rates = []
   for _ in range(args.steps // args.log_every):
@@ -398,28 +486,41 @@ def bench(args) -> None:
         t['mfu'] = t['tokens_per_s'] * flops_per_token(s, row.peer == 'llama') / peak
       ratio = (z['tokens_per_s'] / t['tokens_per_s']
                if z.get('tokens_per_s') and t.get('tokens_per_s') else None)
-      results[name] = {'shape': dataclasses.asdict(s), 'zoo': z, 'torch': t, 'ratio': ratio}
+      results[name] = {'shape': dataclasses.asdict(s), 'zoo': z, 'torch': t, 'ratio': ratio,
+                       'target': row.target,
+                       'met': None if ratio is None or row.target is None else ratio >= row.target}
       notes += [f'{name}: {n}' for n in z['notes'] + t.get('notes', [])]
       notes += [f'{name}: {side} failed: {r["error"]}' for side, r in (('zoo', z), ('torch', t))
                 if 'error' in r]
   print(f'\n{info["gpu"]} (driver {info["driver"]}), {args.steps} steps, medians of blocks of '
         f'{args.log_every} after the first' + (' [--smoke: tiny shapes]' if args.smoke else ''))
   print(format_table(results))
-  packed, stream = (results.get(n, {}).get('zoo', {}).get('tokens_per_s')
-                    for n in ('llama-3.2-1b', 'llama-3.2-1b:stream'))
-  if packed and stream:
-    notes.insert(0, f'packed documents / stream windows (zoo, llama-3.2-1b): {packed / stream:.3f}')
-  print('\n'.join(['zoo peak: JAX allocator peak_bytes_in_use (null on CPU); torch peak: '
-                   'torch.cuda.max_memory_allocated (null on CPU)', *notes]))
-  save(info, peak, args, results, notes)
+  ratios = zoo_ratios(results)
+  print('\n'.join([f'{r["name"]} (zoo): {r["ratio"]:.3f}, target >= {r["target"]}'
+                   for r in ratios]
+                  + [f'{n}: zoo / {ROWS[n].peer} {r["ratio"]:.2f}, target >= {r["target"]}'
+                     for n, r in results.items() if r['target'] and r['ratio']]
+                  + ['zoo peak: JAX allocator peak_bytes_in_use (null on CPU); torch peak: '
+                     'torch.cuda.max_memory_allocated (null on CPU)', *notes]))
+  save(info, peak, args, results, notes, ratios)
   print('wrote', args.out)
 
 
-def save(info: dict, peak: float | None, args, results: dict, notes: list) -> None:
+def zoo_ratios(results: dict) -> list:
+  """ZOO_RATIOS of the rows measured: zoo against itself at another setting, same run."""
+  speed = lambda n: results.get(n, {}).get('zoo', {}).get('tokens_per_s')
+  return [{'name': name, 'ratio': speed(a) / speed(b), 'target': at_least,
+           'met': speed(a) / speed(b) >= at_least}
+          for name, a, b, at_least in ZOO_RATIOS if speed(a) and speed(b)]
+
+
+def save(info: dict, peak: float | None, args, results: dict, notes: list,
+         ratios: list = ()) -> None:
   """--out: the machine, and every row measured so far."""
   with open(args.out, 'w', encoding='utf-8') as f:
     json.dump({**info, 'peak_flops': peak, 'smoke': args.smoke, 'steps': args.steps,
-               'log_every': args.log_every, 'rows': results, 'notes': notes}, f, indent=2)
+               'log_every': args.log_every, 'rows': results, 'zoo_ratios': list(ratios),
+               'notes': notes}, f, indent=2)
 
 
 def parse_args():

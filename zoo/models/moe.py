@@ -133,13 +133,17 @@ _zero_grad_outside.defvjp(lambda rows, valid: (rows, valid),
                           lambda valid, d: (jnp.where(valid[:, None], d, 0), None))
 
 
-_MGPU = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+# The Mosaic GPU kernels' tiles, each kernel its own (benchmarks/moe_bench.py --tune measures
+# candidates on a GPU): the forward, the rows' gradient (the same kernel on the transposed
+# weights) and the weights' gradient (the transposed ragged dot).
+_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+_MGPU = {'forward': _TILES, 'rows_grad': _TILES, 'weights_grad': _TILES}
 
 
 @jax.custom_vjp
 def _mosaic_gpu_gmm(rows_ND, w_GDF, sizes_G):
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu  # pylint: disable=g-import-not-at-top
-  return ragged_dot_mgpu.ragged_dot(rows_ND, w_GDF, group_sizes=sizes_G, **_MGPU)
+  return ragged_dot_mgpu.ragged_dot(rows_ND, w_GDF, group_sizes=sizes_G, **_MGPU['forward'])
 
 
 def _mosaic_gpu_fwd(rows_ND, w_GDF, sizes_G):
@@ -153,9 +157,9 @@ def _mosaic_gpu_bwd(residuals, d_NF):
   rows_ND, w_GDF, sizes_G = residuals
   d_NF = d_NF.astype(rows_ND.dtype)
   d_rows = ragged_dot_mgpu.ragged_dot(d_NF, w_GDF, group_sizes=sizes_G, transpose_rhs=True,
-                                      **_MGPU)
+                                      **_MGPU['rows_grad'])
   d_w = transposed_ragged_dot_mgpu.transposed_ragged_dot(rows_ND, d_NF, group_sizes=sizes_G,
-                                                         **_MGPU)
+                                                         **_MGPU['weights_grad'])
   return d_rows, d_w.astype(w_GDF.dtype), None
 
 
