@@ -4,6 +4,7 @@ fits the device's memory, whole logits where they fit, found by compiling; a run
 import logging
 
 import jax
+import pytest
 
 from conftest import load_config
 from zoo.parallel import sharding
@@ -26,15 +27,16 @@ def _setup(**overrides):
   return setup_lib.checked(config, plan=True)
 
 
-def _fake_compiles(monkeypatch, peak):
-  """chunks' compiles replaced by `peak(chunks)` bytes per device; returns the chunks
-  compiled, in order."""
-  compiled = []
+def _fake_compiles(monkeypatch, peak, eval_peak=lambda n: 1):
+  """chunks' compiles replaced: the train step's peak `peak(chunks)` bytes per device (or a
+  Compiled it returns), the eval step's `eval_peak(chunks)`; returns the train steps'
+  chunks compiled, in order, and the eval steps'."""
+  compiled = {'train': [], 'eval': []}
 
-  def fake(setup):
+  def fake(setup, step):
     n = setup.model.loss_chunks
-    compiled.append(n)
-    got = peak(n)
+    compiled[step].append(n)
+    got = (peak if step == 'train' else eval_peak)(n)
     return got if isinstance(got, memory.Compiled) else memory.Compiled(memory={'peak': got})
   monkeypatch.setattr(chunks, '_compile', fake)
   return compiled
@@ -47,49 +49,67 @@ def test_the_search_takes_the_fewest_chunks_that_fit(devices, monkeypatch):
   per_logit = chunks.BYTES_PER_LOGIT['cpu'] / 4  # The estimate, here exact.
   other = 100 * 2**20
   step = lambda n: other + per_logit * logits(n)
-  # Whole logits fit: one compile, at 1.
+  room = lambda n: int(step(n) / chunks.FILL) + 1  # The limit that fits n chunks' step.
+  # Whole logits fit: one compile of each step, at 1.
   compiled = _fake_compiles(monkeypatch, step)
-  fitted, choice = chunks.fitted(s, int(step(1) / chunks.FILL) + 1, 'test')
-  assert (choice.chunks, compiled, fitted.model.loss_chunks) == (1, [1], 1)
+  fitted, choice = chunks.fitted(s, room(1), 'test')
+  assert (choice.chunks, compiled, fitted.model.loss_chunks) == (1, {'train': [1],
+                                                                      'eval': [1]}, 1)
   assert choice.reason.startswith("whole logits: the train step's peak")
   assert fitted.config.model.loss_chunks == 1 and s.config.model.loss_chunks == 0
   # Whole logits do not, 2 chunks do: measured at 1, the step's other memory says 2.
   compiled = _fake_compiles(monkeypatch, step)
-  _, choice = chunks.fitted(s, int(step(2) / chunks.FILL) + 1, 'test')
-  assert (choice.chunks, compiled) == (2, [1, 2])
+  _, choice = chunks.fitted(s, room(2), 'test')
+  assert (choice.chunks, compiled['train']) == (2, [1, 2])
   assert choice.peaks[1] == step(1) and '1 chunk(s)' in choice.reason, choice.reason
   # A prediction that fails (the step at 2 chunks holds more than measured at 1 said): the
   # search goes on to a step that fits.
   compiled = _fake_compiles(monkeypatch, lambda n: step(n) + (logits(1) if n == 2 else 0))
-  _, choice = chunks.fitted(s, int(step(2) / chunks.FILL) + 1, 'test')
-  assert (choice.chunks, compiled) == (4, [1, 2, 4])
+  _, choice = chunks.fitted(s, room(2), 'test')
+  assert (choice.chunks, compiled['train']) == (4, [1, 2, 4])
   # Hopeless without compiling: the state and one chunk's logits pass the limit at 1 and 2.
   held = chunks.logit_bytes(s, 4) * 3
   compiled = _fake_compiles(monkeypatch, lambda n: held)
   _, choice = chunks.fitted(s, int(held / chunks.FILL) + 1, 'test')
-  assert (choice.chunks, compiled) == (4, [4])
-  # The eval step's logits count too: 64 eval rows' whole logits pass the limit beside the
-  # state, 2 chunks' do not.
-  wide = _setup(**{'eval.batch_size': 64})
-  held = sharding.per_device_bytes(wide.abstract_state()) + sharding.per_device_bytes(wide.batch)
-  compiled = _fake_compiles(monkeypatch, lambda n: 1)
-  limit = int((held + 2 * chunks.logit_bytes(wide, 2, 64)) / chunks.FILL) + 1
-  assert (chunks.fitted(wide, limit, 'test')[1].chunks, compiled) == (2, [2])
+  assert (choice.chunks, compiled['train']) == (4, [4])
+  # The eval step, compiled where the train step fits, must fit too.
+  compiled = _fake_compiles(monkeypatch, step, lambda n: 2 * step(1) if n == 1 else 1)
+  _, choice = chunks.fitted(s, room(1), 'test')
+  assert (choice.chunks, compiled) == (2, {'train': [1, 2], 'eval': [1, 2]})
   # Nothing fits: the most auto takes, said so.
   compiled = _fake_compiles(monkeypatch, lambda n: 2**40)
   _, choice = chunks.fitted(s, 2**30, 'test')
   assert choice.chunks == 4 and choice.reason.startswith('the most auto takes'), choice.reason
-  # A refusal that is not for memory is not stepped around: the caller reports it.
-  compiled = _fake_compiles(monkeypatch, lambda n: memory.Compiled(refusal='RESOURCE_EXHAUSTED: '
-                                                                    'vmem'))
-  _, choice = chunks.fitted(s, 2**34, 'test')
-  assert (choice.chunks, compiled) == (1, [1]) and 'another reason' in choice.reason
+  # A refusal that is not for memory (a kernel's scoped VMEM) is stepped over.
+  vmem = memory.Compiled(refusal='RESOURCE_EXHAUSTED: Ran out of memory in memory space vmem')
+  compiled = _fake_compiles(monkeypatch, lambda n: vmem if n == 1 else step(n))
+  _, choice = chunks.fitted(s, room(1), 'test')
+  assert (choice.chunks, compiled['train']) == (2, [1, 2])
   # Set by hand, or small logits: nothing compiled.
   compiled = _fake_compiles(monkeypatch, step)
   assert chunks.fitted(_setup(**{'model.loss_chunks': 8}), 1, 'test')[1].chunks == 8
   small = _setup(**{'model.vocab_size': None})  # The data's 128 characters.
   fitted, choice = chunks.fitted(small, 1, 'test')
-  assert (choice.chunks, fitted.model.loss_chunks, compiled) == (1, 0, [])  # Auto's own 1.
+  assert (choice.chunks, fitted.model.loss_chunks, compiled) == (1, 0, {'train': [],
+                                                                        'eval': []})
+
+
+@pytest.mark.parametrize('message,needed', [
+    ('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space '
+     'hbm. Used 18.54G of 15.75G hbm. Exceeded hbm capacity by 2.79G.', int(18.54 * 2**30)),
+    ('RESOURCE_EXHAUSTED: Ran out of memory on HBM: ... (20.50G) exceeds available HBM '
+     '(15.75G)', int(20.5 * 2**30)),
+    ('RESOURCE_EXHAUSTED: Ran out of memory in memory space vmem while allocating', None)])
+def test_a_compilers_refusal_says_what_it_needs_in_either_form(message, needed):
+  """Both forms of the TPU compiler's HBM refusal give what the step needs (a memory
+  refusal, which the chunks' search and --max_batch step past by size); a kernel's scoped
+  VMEM gives nothing (another reason)."""
+  class Lowered:
+    def compile(self):
+      raise jax.errors.JaxRuntimeError(message)
+  jitted = type('Jitted', (), {'lower': lambda self, *args: Lowered()})()
+  refused = memory.compile_step('tpu', jitted)
+  assert refused.refusal == message and refused.needed == needed
 
 
 def test_a_plan_takes_whole_logits_where_they_fit_else_the_fewest_chunks(devices):

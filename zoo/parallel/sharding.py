@@ -118,10 +118,17 @@ def for_mesh(rules: Sequence, mesh_axes: Sequence[str]) -> tuple:
                if not absent & set(mesh_axes_of(axis)))
 
 
+def shards(mesh: Any, rules: Sequence, logical: str) -> int:
+  """How many blocks the rules split logical axis `logical` into on `mesh` (a Mesh or an
+  AbstractMesh; Flax's first matching rule)."""
+  axes = mesh_axes_of(nn.logical_to_mesh_axes((logical,), rules_tuple(rules))[0])
+  return math.prod(dict(mesh.shape).get(a, 1) for a in axes)
+
+
 def sequence_shards(mesh: Any, rules: Sequence) -> int:
-  """How many blocks the rules split a sequence ('act_len') into on `mesh` (a Mesh or
-  an AbstractMesh): the context-parallel degree."""
-  return math.prod(dict(mesh.shape).get(a, 1) for a in sequence_mesh_axes(rules))
+  """How many blocks the rules split a sequence ('act_len') into: the context-parallel
+  degree."""
+  return shards(mesh, rules, 'act_len')
 
 
 def sequence_mesh_axes(rules: Sequence) -> tuple:

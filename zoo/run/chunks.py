@@ -10,11 +10,15 @@ the compiler counts them: whole logits wherever they fit.
 
 The search compiles the train step (a compiled step is cached in memory, so the loop's own
 compile of the chosen one costs nothing more): first at the fewest chunks that are not
-hopeless (the state and one chunk's logits alone fit), then, while the compiler's peak
-passes FILL of the limit, at the fewest chunks that its measured other memory and the
-logits' estimated bytes (BYTES_PER_LOGIT) say fit; at most as many as the memory-lean
-rule (layers.loss_chunks), which is also what a step gets where no memory figure is known. Where the whole logits are
-small (at most layers.LOSS_CHUNK_ELEMENTS per sequence) nothing is compiled: one chunk.
+hopeless (the state, the batch and one chunk's float32 logits alone fit), then, while the
+compiler's peak passes FILL of the limit, at the fewest chunks that the step's measured
+other memory and the logits' estimated bytes (BYTES_PER_LOGIT) say fit; a count the
+compiler refuses for another reason than memory is stepped over. The eval step, compiled
+at a count whose train step fits, must fit too. At most as many chunks as the memory-lean
+rule (layers.loss_chunks) takes, which is also what a step gets where no memory figure is
+known; where whole logits are small (at most layers.LOSS_CHUNK_ELEMENTS of a sequence)
+nothing is compiled: one chunk. Every process of a run compiles the same program: they
+take the least limit of any and, after choosing, the most chunks any chose.
 """
 import dataclasses
 import math
@@ -37,6 +41,7 @@ FILL = 0.9
 # choosing what to compile next: the compiled step's own peak is what is judged.
 BYTES_PER_LOGIT = {'cpu': 12, 'gpu': 8, 'cuda': 8, 'tpu': 4}
 
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
   """The loss's chunks of a run, and why."""
@@ -45,12 +50,12 @@ class Choice:
   logit_bytes: int      # One chunk's float32 logits per device.
   reason: str
   peaks: dict = dataclasses.field(default_factory=dict)  # Chunks tried -> the step's peak.
-  # The train step compiled at `chunks` while choosing (None: nothing was compiled).
-  compiled: Optional[memory.Compiled] = dataclasses.field(default=None, repr=False)
+  # The steps compiled at `chunks` while choosing: {'train': Compiled, 'eval': Compiled}.
+  compiled: dict = dataclasses.field(default_factory=dict, repr=False)
 
   def line(self) -> str:
     return (f'loss: logits of {self.chunks} chunk(s) of {self.tokens:,} tokens in turn, one '
-            f'live at a time: {_size(self.logit_bytes)} per device (float32); {self.reason}')
+            f'live at a time: {memory.size_text(self.logit_bytes)} per device (float32); {self.reason}')
 
 
 def logit_bytes(setup: setup_lib.Setup, chunks: int, rows: Optional[int] = None) -> int:
@@ -62,8 +67,7 @@ def logit_bytes(setup: setup_lib.Setup, chunks: int, rows: Optional[int] = None)
   per_device = setup.batch_sharding.shard_shape((rows,))[0] * math.prod(shape[1:-1])
   length = shape[-1]
   vocab = layers.padded_vocab_size(setup.model.vocab_size)
-  vocab_axes = next((axes for name, axes in setup.rules if name == 'act_vocab'), None)
-  vocab_shards = math.prod(setup.mesh.shape[a] for a in sharding.mesh_axes_of(vocab_axes))
+  vocab_shards = sharding.shards(setup.mesh, setup.rules, 'act_vocab')
   tokens = length // chunks // sharding.sequence_shards(setup.mesh, setup.rules)
   return 4 * per_device * max(tokens, 1) * (vocab // vocab_shards)
 
@@ -83,73 +87,90 @@ def fitted(setup: setup_lib.Setup, limit: Optional[int] = None, source: str = ''
     return setup, _choice(setup, setup.model.loss_chunks, 'set by model.loss_chunks')
   # Below, `setup` itself where auto's own rule (layers.loss_chunks) gives the chunks chosen.
   if most == 1:
-    return setup, _choice(setup, 1, f'whole logits: a sequence has {length:,} x '
-                                  f'{vocab:,}, at most {layers.LOSS_CHUNK_ELEMENTS:,}')
+    return setup, _choice(setup, 1, f'whole logits: a sequence has {length:,} x {vocab:,}, '
+                          f'at most {layers.LOSS_CHUNK_ELEMENTS:,}')
   if limit is None:
     limit, source = memory.limit_per_device()
-    limit = _least_over_processes(limit)
+    limit = _agreed(limit, min)
   if not limit:
-    return setup, _choice(setup, most, f'no memory figure for {_platform(setup)}: '
-                                     'the memory-lean rule, at most '
-                                     f'{layers.LOSS_CHUNK_ELEMENTS:,} logits of a sequence a chunk')
-  return _search(setup, most, int(FILL * limit), f'{FILL:.0%} of {_size(limit)} per device'
-                 + (f' ({source})' if source else ''))
+    return setup, _choice(setup, most, f'no memory figure for {_platform(setup)}: the '
+                          f'memory-lean rule, at most {layers.LOSS_CHUNK_ELEMENTS:,} logits of a '
+                          'sequence a chunk')
+  chosen, choice = _search(setup, most, int(FILL * limit), f'{FILL:.0%} of '
+                           f'{memory.size_text(limit)} per device'
+                           + (f' ({source})' if source else ''))
+  agreed = _agreed(choice.chunks, max)
+  if agreed != choice.chunks:  # Another process's devices needed more.
+    chosen = _at(setup, agreed)
+    choice = _choice(setup, agreed, f'{choice.reason}; {agreed} as another process chose',
+                     choice.peaks)
+  return chosen, choice
 
 
 def _search(setup: setup_lib.Setup, most: int, budget: int, where: str
             ) -> tuple[setup_lib.Setup, Choice]:
   """The fewest chunks, at most `most`, whose train step's peak (with GRPO's reference
-  parameters beside it) is within `budget` bytes per device, and whose eval step's logits
-  fit beside the state."""
+  parameters beside it) and eval step's peak are within `budget` bytes per device."""
   length = setup.batch['inputs'].shape[-1]
   shards = sharding.sequence_shards(setup.mesh, setup.rules)
   candidates = [n for n in range(1, most) if length % n == 0 and length // n % shards == 0]
   candidates.append(most)
-  beside = rollouts.reference_bytes(setup)
-  held = (sharding.per_device_bytes(setup.abstract_state())
-          + sharding.per_device_bytes(setup.batch) + beside)
+  state = setup.abstract_state()
+  beside = rollouts.reference_bytes(setup, state.params)
+  held = sharding.per_device_bytes(state) + sharding.per_device_bytes(setup.batch) + beside
   per_logit = BYTES_PER_LOGIT.get(_platform(setup), max(BYTES_PER_LOGIT.values())) / 4
-  eval_rows = setup.config.eval.batch_size
-
-  def evaluates(n: int) -> bool:  # The eval step: the state and its float32 logits, twice.
-    return held + 2 * logit_bytes(setup, n, eval_rows) <= budget
-
+  after = lambda n: next(c for c in candidates if c > n)
   # Hopeless: the state, the batch and one chunk's float32 logits alone pass the budget.
-  n = next((c for c in candidates if held + logit_bytes(setup, c) <= budget and evaluates(c)),
-           most)
-  peaks = {}
+  n = next((c for c in candidates if held + logit_bytes(setup, c) <= budget), most)
+  peaks, said = {}, []
   while True:
     chosen = _at(setup, n)
-    compiled = _compile(chosen)
-    if compiled.refusal and compiled.needed is None:  # Not memory: the caller's to report.
-      return chosen, _choice(setup, n, f'the compiler refused {n} chunk(s) for another reason '
-                             f'than memory: {compiled.refusal}', peaks, compiled)
-    if compiled.peak is None:
-      return setup, _choice(setup, most, 'no memory analysis of the compiled step '
-                                       f'on {_platform(setup)}: the memory-lean rule', peaks)
-    peaks[n] = compiled.peak + beside
+    train = _compile(chosen, 'train')
+    if train.refusal and train.needed is None:  # Not for memory: not this count.
+      said.append(f'{n} chunk(s) refused ({train.refusal})')
+      if n == most:
+        return chosen, _choice(setup, n, 'the most auto takes; ' + '; '.join(said), peaks,
+                               {'train': train})
+      n = after(n)
+      continue
+    if train.peak is None:
+      return setup, _choice(setup, most, 'no memory analysis of the compiled step on '
+                            f'{_platform(setup)}: the memory-lean rule', peaks)
+    peaks[n] = train.peak + beside
     tried = f'; {_tried(peaks, n)} did not' if len(peaks) > 1 else ''
     if peaks[n] <= budget:
-      return chosen, _choice(setup, n, f"{'whole logits' if n == 1 else 'the fewest that fit'}"
-                             f": the train step's peak {_size(peaks[n])} fits in {where}{tried}",
-                             peaks, compiled)
+      evaluate = _compile(chosen, 'eval')
+      fits = 'whole logits' if n == 1 else 'the fewest that fit'
+      if evaluate.peak is None or evaluate.peak <= budget or n == most:
+        return chosen, _choice(setup, n, f"{fits}: the train step's peak "
+                               f'{memory.size_text(peaks[n])} fits in {where}{tried}',
+                               peaks, {'train': train, 'eval': evaluate})
+      said.append(f'{n} chunk(s): the eval step\'s peak {memory.size_text(evaluate.peak)} '
+                  'did not fit')
+      n = after(n)
+      continue
     if n == most:
       return chosen, _choice(setup, n, f"the most auto takes: the train step's peak "
-                             f'{_size(peaks[n])} passes {where}{tried}', peaks, compiled)
+                             f'{memory.size_text(peaks[n])} passes {where}{tried}', peaks,
+                             {'train': train})
     other = peaks[n] - per_logit * logit_bytes(setup, n)  # The step's other memory, measured.
-    n = next((c for c in candidates if c > n and evaluates(c)
+    n = next((c for c in candidates if c > n
               and other + per_logit * logit_bytes(setup, c) <= budget), most)
 
 
 def _tried(peaks: dict, chosen: int) -> str:
-  return ', '.join(f'{n} chunk(s) ({_size(p)})' if p is not None else f'{n} chunk(s) (refused)'
-                   for n, p in sorted(peaks.items()) if n != chosen)
+  return ', '.join(f'{n} chunk(s) ({memory.size_text(p)})' for n, p in sorted(peaks.items())
+                   if n != chosen)
 
 
-def _compile(setup: setup_lib.Setup) -> memory.Compiled:
+def _compile(setup: setup_lib.Setup, step: str) -> memory.Compiled:
+  """The `step` ('train' or 'eval') of `setup` compiled for its devices."""
   with setup.scope():
-    return memory.compile_step(_platform(setup), setup.jit_train_step(), setup.abstract_state(),
-                               setup.batch)
+    state = setup.abstract_state()
+    if step == 'train':
+      return memory.compile_step(_platform(setup), setup.jit_train_step(), state, setup.batch)
+    return memory.compile_step(_platform(setup), setup.jit_eval_step(), state,
+                               setup.eval_batch())
 
 
 def _at(setup: setup_lib.Setup, chunks: int) -> setup_lib.Setup:
@@ -163,23 +184,21 @@ def _at(setup: setup_lib.Setup, chunks: int) -> setup_lib.Setup:
 
 
 def _choice(setup: setup_lib.Setup, chunks: int, reason: str, peaks: Optional[dict] = None,
-            compiled: Optional[memory.Compiled] = None) -> Choice:
+            compiled: Optional[dict] = None) -> Choice:
   length = setup.batch['inputs'].shape[-1]
   return Choice(chunks, length // chunks, logit_bytes(setup, chunks), reason, peaks or {},
-                compiled)
+                compiled or {})
 
 
 def _platform(setup: setup_lib.Setup) -> str:
   return setup.mesh.devices.flat[0].platform
 
 
-def _least_over_processes(limit: Optional[int]) -> Optional[int]:
-  """The smallest of every process's `limit` (they must choose the same program)."""
-  if jax.process_count() == 1 or limit is None:
-    return limit
+def _agreed(value: Optional[int], pick) -> Optional[int]:
+  """`pick` (min or max) of every process's `value`; None if any process has none. One
+  collective where there are several processes (every process calls it)."""
+  if jax.process_count() == 1:
+    return value
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  return int(np.min(multihost_utils.process_allgather(np.int64(limit))))
-
-
-def _size(n: float) -> str:
-  return f'{n / 2**30:,.2f} GiB' if n >= 2**30 else f'{n / 2**20:,.2f} MiB'
+  values = multihost_utils.process_allgather(np.int64(-1 if value is None else value))
+  return None if (values < 0).any() else int(pick(values))

@@ -62,6 +62,11 @@ class Compiled:
     return self.memory['peak'] if self.memory else self.needed
 
 
+def size_text(n: float) -> str:
+  """Bytes as MiB, or GiB from 1 GiB on."""
+  return f'{n / 2**30:,.2f} GiB' if n >= 2**30 else f'{n / 2**20:,.2f} MiB'
+
+
 def compiled_memory(program, platform: str) -> Optional[dict]:
   """Per device: the analysis's sizes, and the peak: on TPU the compiler's own (its
   temporaries are not all live at once, and a sum refuses batches it accepts), elsewhere
@@ -90,9 +95,8 @@ def compile_step(platform: str, jitted, *args) -> Compiled:
   except Exception as e:  # pylint: disable=broad-except  # XlaRuntimeError and kin.
     if 'RESOURCE_EXHAUSTED' not in str(e):
       raise
-    figures = topology.oom_figures(str(e))
     return Compiled(seconds=time.perf_counter() - t0, refusal=str(e).strip().splitlines()[0],
-                    needed=figures[0] if figures else None)
+                    needed=_needed(str(e)))
   return Compiled(program, compiled_memory(program, platform), time.perf_counter() - t0)
 
 

@@ -26,6 +26,7 @@ from zoo.models import attention
 from zoo.parallel import hlo, sharding, topology
 from zoo.run import config as cfg
 from zoo.run import chunks, memory, perf, rollouts
+from zoo.run.memory import size_text as _mib
 from zoo.run import setup as setup_lib
 
 
@@ -67,9 +68,8 @@ def _rollout_held(setup: setup_lib.Setup, state: Any) -> dict:
   total = sum(x.size * x.dtype.itemsize for x in leaves)
   shards = sharding.batch_shards(setup.mesh, setup.rules)
   grouped = setup.model.kv_heads != setup.model.num_heads
-  head_rule = 'act_kv_heads' if grouped else 'act_heads'
-  head_axes = next((axes for name, axes in setup.rules if name == head_rule), None)
-  head_shards = math.prod(setup.mesh.shape[a] for a in sharding.mesh_axes_of(head_axes))
+  head_shards = sharding.shards(setup.mesh, setup.rules,
+                                'act_kv_heads' if grouped else 'act_heads')
   heads = leaves[0].shape[-3]
   if heads % head_shards:
     head_shards = 1
@@ -94,7 +94,7 @@ def _held(setup: setup_lib.Setup, state: Any) -> dict:
           'model_state': sharding.per_device_bytes(state.model_state)}
   held['other'] = sharding.per_device_bytes(state) - sum(held.values())  # The step counter.
   if setup.task.name == 'grpo':
-    held['reference'] = rollouts.reference_bytes(setup)
+    held['reference'] = rollouts.reference_bytes(setup, state.params)
   return held
 
 
@@ -123,9 +123,11 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
     with setup.scope():
       state = setup.abstract_state()
       platform = devices[0].platform
-      train = ((loss and loss.compiled)  # Compiled while choosing the loss's chunks.
-               or memory.compile_step(platform, setup.jit_train_step(), state, setup.batch))
-      evaluate = memory.compile_step(platform, setup.jit_eval_step(), state, setup.eval_batch())
+      done = loss.compiled if loss else {}  # Compiled while choosing the loss's chunks.
+      train = done.get('train') or memory.compile_step(platform, setup.jit_train_step(), state,
+                                                       setup.batch)
+      evaluate = done.get('eval') or memory.compile_step(platform, setup.jit_eval_step(), state,
+                                                         setup.eval_batch())
       rollout = (memory.compile_step(platform, rollouts.program(setup), state.params,
                                      *rollouts.abstract_inputs(setup))
                  if setup.task.name == 'grpo' else None)
@@ -188,11 +190,6 @@ def _limit(*sizes: Optional[float]) -> Optional[float]:
   """The smallest of the memory limits given (bytes; None or 0: not given), or None."""
   given = [x for x in sizes if x]
   return min(given) if given else None
-
-
-def _mib(n):
-  """Bytes as MiB, or GiB from 1 GiB on."""
-  return f'{n / 2**30:,.2f} GiB' if n >= 2**30 else f'{n / 2**20:,.2f} MiB'
 
 
 def _hosts(p: dict) -> list[str]:

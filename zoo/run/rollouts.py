@@ -125,12 +125,12 @@ def holds_reference(setup: setup_lib.Setup) -> bool:
   return bool(setup.task.beta) and not setup.trainable
 
 
-def reference_bytes(setup: setup_lib.Setup) -> int:
+def reference_bytes(setup: setup_lib.Setup, params: Any) -> int:
   """Per device, the reference parameters a GRPO run keeps resident beside the policy's
-  state (holds_reference); 0 for other tasks."""
+  `params` (holds_reference); 0 for other tasks."""
   if setup.task.name != 'grpo' or not holds_reference(setup):
     return 0
-  return sharding.per_device_bytes(setup.abstract_state().params)
+  return sharding.per_device_bytes(params)
 
 
 class Rollouts:
