@@ -7,7 +7,6 @@ import jax
 import pytest
 
 from conftest import load_config
-from zoo.parallel import sharding
 from zoo.run import chunks, memory, plan, train
 from zoo.run import config as cfg
 from zoo.run import setup as setup_lib
