@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo.models import lora as lora_lib
+from zoo.models import quantize
 from zoo.models import rope as rope_lib
 from zoo.models import splash
 from zoo.models.layers import norm, param, platform
@@ -208,6 +209,7 @@ class Attention(nn.Module):
   cache_length: int = 0
   lora: lora_lib.Lora = lora_lib.Lora()
   deterministic: bool = True
+  quantization: quantize.Quantization = quantize.Quantization()
 
   def _project(self, name, y_BLD, heads, axes, act):
     w_DNH = param(self, name, (y_BLD.shape[-1], heads, self.head_dim), axes, self.dtype)

@@ -19,6 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zoo.models import quantize
 from zoo.models.layers import partitioned
 
 PROJECTIONS = ('query', 'key', 'value', 'out', 'wi_gate', 'wi_up', 'wo', 'wi')
@@ -63,9 +64,11 @@ def _a_init(fan_in: int) -> nn.initializers.Initializer:
 
 def einsum(module: nn.Module, spec: Lora, name: str, ins: str, outs: str, x: jax.Array,
            w: jax.Array, axes: Sequence, dtype: Any, deterministic: bool) -> jax.Array:
-  """x [B, L, *ins] times the kernel w [*ins, *outs] (logical `axes`), plus the adapter of
-  `name` if `spec` adapts it."""
-  y = jnp.einsum(f'BL{ins},{ins}{outs}->BL{outs}', x, w)
+  """x [B, L, *ins] times the kernel w [*ins, *outs] (logical `axes`), in low precision
+  where the module's quantization applies to it (zoo.models.quantize), plus the adapter of
+  `name` if `spec` adapts it (never quantized)."""
+  y = quantize.einsum(getattr(module, 'quantization', quantize.Quantization()),
+                      '/'.join((*module.path, name)), ins, outs, x, w)
   if not spec.adapts(name):
     return y
   in_shape, out_shape = w.shape[:len(ins)], w.shape[len(ins):]

@@ -45,6 +45,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zoo.models import quantize
 from zoo.models.layers import param, platform
 from zoo.parallel.sharding import mesh_axes_of
 
@@ -94,14 +95,19 @@ def grouped_matmul_for(method: str, d: int, f: int, dtype: Any) -> str:
 
 
 def grouped_matmul(rows_ND: jax.Array, w_GDF: jax.Array, sizes_G: jax.Array, method: str,
-                   dtype: Any) -> jax.Array:
+                   dtype: Any, q: quantize.Quantization = quantize.Quantization(),
+                   path: str = '') -> jax.Array:
   """rows [N, D] times the weight of their group [G, D, F] -> [N, F], the rows sorted by
-  group with sizes_G of each; rows after the last group come out as zeros."""
+  group with sizes_G of each; rows after the last group come out as zeros. Quantized by `q`
+  if it applies to the kernel's parameter `path` and the kernel is ragged_dot."""
   method = grouped_matmul_for(method, rows_ND.shape[1], w_GDF.shape[2], dtype)
   sizes_G = sizes_G.astype(jnp.int32)
   if method == 'ragged_dot':
-    return jax.lax.ragged_dot(rows_ND, w_GDF, sizes_G,
-                              preferred_element_type=jnp.float32).astype(dtype)
+    out = quantize.ragged_dot(q, path, rows_ND, w_GDF, sizes_G)
+    if out is None:
+      out = jax.lax.ragged_dot(rows_ND, w_GDF, sizes_G, preferred_element_type=jnp.float32)
+    return out.astype(dtype)
+  quantize.not_taken(q, path, method)
   n, d = rows_ND.shape
   f = w_GDF.shape[2]
   # The kernels leave rows outside every group unwritten, in the rows' gradient too.
@@ -177,27 +183,27 @@ def route(logits_TE: jax.Array, k: int, norm_topk_prob: bool) -> tuple[jax.Array
 
 
 def _expert_mlps(x, w, activation, matmul):
-  """The experts' MLPs (gated or not) by `matmul(x, kernel)`: grouped over rows sorted by
-  expert, or batched over per-expert blocks."""
+  """The experts' MLPs (gated or not) by `matmul(x, name)`, the kernel w[name]: grouped
+  over rows sorted by expert, or batched over per-expert blocks."""
   if 'wi_gate' in w:
-    gate = matmul(x, w['wi_gate'])
+    gate = matmul(x, 'wi_gate')
     gate = nn.silu(gate) if activation == 'swiglu' else nn.gelu(gate, approximate=True)
-    h = gate * matmul(x, w['wi_up'])
+    h = gate * matmul(x, 'wi_up')
   else:
-    h = nn.gelu(matmul(x, w['wi']), approximate=activation == 'gelu')
-  return matmul(h, w['wo'])
+    h = nn.gelu(matmul(x, 'wi'), approximate=activation == 'gelu')
+  return matmul(h, 'wo')
 
 
-def _mlp(rows_ND, sizes_G, w, activation, method, dtype):
+def _mlp(plan, rows_ND, sizes_G, w):
   """The experts' MLPs on rows sorted by expert, `sizes_G` of each (grouped matmuls)."""
-  return _expert_mlps(rows_ND, w, activation,
-                      lambda x, k: grouped_matmul(x, k, sizes_G, method, dtype))
+  return _expert_mlps(rows_ND, w, plan.activation, lambda x, name: grouped_matmul(
+      x, w[name], sizes_G, plan.method, plan.dtype, plan.quantization, f'{plan.path}/{name}'))
 
 
-def _dense_mlp(x_GCD, w, activation, dtype):
+def _dense_mlp(plan, x_GCD, w):
   """The experts' MLPs on per-expert blocks [G, C, D] (batched matmuls)."""
-  return _expert_mlps(x_GCD, w, activation, lambda x, k: jnp.einsum(
-      'GCD,GDF->GCF', x, k, preferred_element_type=jnp.float32).astype(dtype))
+  return _expert_mlps(x_GCD, w, plan.activation, lambda x, name: quantize.batched(
+      plan.quantization, f'{plan.path}/{name}', x, w[name]).astype(plan.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +218,8 @@ class _Plan:
   activation: str
   method: str
   dtype: Any
+  quantization: quantize.Quantization = quantize.Quantization()
+  path: str = ''              # The MoeBlock's: its kernels' parameters are path/name.
 
 
 def _dispatch(plan: _Plan, x_TD, ids_TK, gates_TK, w):
@@ -227,7 +235,7 @@ def _dispatch(plan: _Plan, x_TD, ids_TK, gates_TK, w):
   if plan.capacity_factor:
     y_ND, kept_N = _by_capacity(plan, rows_ND, expert_N, sizes_E, w)
   elif plan.parallel == 1:
-    y_ND, kept_N = _mlp(rows_ND, sizes_E, w, plan.activation, plan.method, plan.dtype), None
+    y_ND, kept_N = _mlp(plan, rows_ND, sizes_E, w), None
   elif plan.ragged:
     y_ND, kept_N = _exchange_ragged(plan, rows_ND, expert_N, sizes_E, w)
   else:
@@ -259,12 +267,12 @@ def _by_capacity(plan, rows_ND, expert_N, sizes_E, w):
     recv = jax.lax.all_to_all(blocks_ECD.reshape(p, local, capacity, -1), plan.expert_axes,
                               0, 0, tiled=True)
     mine = recv.transpose(1, 0, 2, 3).reshape(local, p * capacity, -1)
-    out = _dense_mlp(mine, w, plan.activation, plan.dtype)
+    out = _dense_mlp(plan, mine, w)
     out = out.reshape(local, p, capacity, -1).transpose(1, 0, 2, 3)
     blocks_ECD = jax.lax.all_to_all(out, plan.expert_axes, 0, 0, tiled=True).reshape(
         e, capacity, -1)
   else:
-    blocks_ECD = _dense_mlp(blocks_ECD, w, plan.activation, plan.dtype)
+    blocks_ECD = _dense_mlp(plan, blocks_ECD, w)
   y_ND = blocks_ECD.at[expert_N, pos_N].get(mode='fill', fill_value=0)
   return jnp.where(kept_N[:, None], y_ND, 0), kept_N
 
@@ -290,7 +298,7 @@ def _grouped_local(plan, recv_RD, expert_R, w):
   g = plan.num_experts // plan.parallel
   order = jnp.argsort(expert_R, stable=True)
   sizes_G = jnp.bincount(expert_R, length=g + 1)[:g].astype(jnp.int32)
-  y = _mlp(recv_RD[order], sizes_G, w, plan.activation, plan.method, plan.dtype)
+  y = _mlp(plan, recv_RD[order], sizes_G, w)
   return jnp.zeros_like(y).at[order].set(y)
 
 
@@ -350,6 +358,7 @@ class MoeBlock(nn.Module):
   moe: Moe
   activation: str = 'swiglu'
   dtype: str = 'float32'
+  quantization: quantize.Quantization = quantize.Quantization()
 
   @nn.compact
   def __call__(self, x_BLD: jax.Array, mask_BL: Optional[jax.Array] = None
@@ -364,7 +373,7 @@ class MoeBlock(nn.Module):
          for name in names}
     w['wo'] = param(self, 'wo', (e, f, d), ('experts', 'mlp', 'expert_embed'), self.dtype)
     y_BLD, dropped = _experts(x_BLD.astype(self.dtype), ids_BLK, gates_BLK, w, m,
-                              self.activation, self.dtype)
+                              self.activation, self.dtype, self.quantization, '/'.join(self.path))
     y_BLD = nn.with_logical_constraint(y_BLD, ('act_batch', 'act_len', 'act_embed'))
     return y_BLD, statistics(logits_BLE, ids_BLK, mask_BL, dropped)
 
@@ -389,7 +398,9 @@ def statistics(logits_BLE, ids_BLK, mask_BL, dropped) -> dict:
           'dropped': jax.lax.stop_gradient(dropped)}
 
 
-def _experts(x_BLD, ids_BLK, gates_BLK, w, m: Moe, activation: str, dtype) -> tuple:
+def _experts(x_BLD, ids_BLK, gates_BLK, w, m: Moe, activation: str, dtype,
+             quantization: quantize.Quantization = quantize.Quantization(), path: str = ''
+             ) -> tuple:
   """The routed experts' outputs [B, L, D] and the fraction of rows dropped: each device's
   tokens dispatched under shard_map (module docstring)."""
   mesh = jax.sharding.get_abstract_mesh()
@@ -405,7 +416,7 @@ def _experts(x_BLD, ids_BLK, gates_BLK, w, m: Moe, activation: str, dtype) -> tu
   parallel = math.prod(mesh.shape[a] for a in expert_axes) if expert_axes else 1
   plan = _Plan(m.num_experts, expert_axes, parallel, m.capacity_factor, m.buffer,
                ragged=platform() in RAGGED_ALL_TO_ALL, activation=activation,
-               method=m.grouped_matmul, dtype=dtype)
+               method=m.grouped_matmul, dtype=dtype, quantization=quantization, path=path)
   k = ids_BLK.shape[-1]
 
   def local(x_BLD, ids_BLK, gates_BLK, w):

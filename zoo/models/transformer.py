@@ -66,6 +66,7 @@ from zoo.errors import fail
 from zoo.models import embedding
 from zoo.models import lora as lora_lib
 from zoo.models import moe as moe_lib
+from zoo.models import quantize
 from zoo.models import rope as rope_lib
 from zoo.models.attention import IMPLEMENTATIONS, Attention
 from zoo.models.layers import NORMS, norm as norm_layer, param
@@ -114,6 +115,10 @@ class Transformer(nn.Module):
   sliding_window: int = 0        # 0: every layer global.
   global_every: int = 0          # With a window: layer i is global iff (i + 1) % this == 0.
   lora: lora_lib.Lora = lora_lib.Lora()
+  # Low-precision matmuls (zoo.models.quantize): 'int8' or 'fp8', on the block projections
+  # whose parameter path one of quantize_modules' regular expressions matches.
+  quantization: str = 'none'
+  quantize_modules: tuple = ('.*',)
   attention: str = 'auto'
   embedding_grad: str = 'auto'   # The token embedding's gradient (zoo.models.embedding).
   scan_layers: bool = False
@@ -137,6 +142,20 @@ class Transformer(nn.Module):
         self.global_every and (layer + 1) % self.global_every == 0)
 
 
+def quantized(module: Transformer, paths: Sequence[str]) -> tuple[list, list]:
+  """(the parameter paths among `paths` whose matmuls run at module.quantization, those its
+  rules match that stay in the computation dtype: routed experts whose grouped matmul takes
+  no quantized operands). Under the mesh's scope: the experts' kernel is its platform's."""
+  q = Spec.of(module).quantization
+  matched = [p for p in paths if q.applies(p)]
+  moe = getattr(module, 'moe', moe_lib.Moe())
+  if not moe.num_experts or moe.capacity_factor or moe_lib.grouped_matmul_for(
+      moe.grouped_matmul, module.d_model, moe.mlp_dim, module.dtype) == 'ragged_dot':
+    return matched, []
+  kept = [p for p in matched if '/moe/' in f'/{p}']
+  return [p for p in matched if p not in kept], kept
+
+
 def check_config(m: ml_collections.ConfigDict) -> None:
   """The Transformer families' sizes and switches (config.model)."""
   if not m.get('head_dim') and m.d_model % m.num_heads:
@@ -146,7 +165,7 @@ def check_config(m: ml_collections.ConfigDict) -> None:
          f'{m.num_heads}; grouped-query attention needs whole groups')
   choices = {'remat': tuple(REMAT_POLICIES), 'dtype': DTYPES, 'positions': POSITIONS,
              'norm': NORMS, 'mlp_activation': MLP_ACTIVATIONS, 'attention': IMPLEMENTATIONS,
-             'embedding_grad': embedding.METHODS}
+             'embedding_grad': embedding.METHODS, 'quantization': quantize.KINDS}
   for key, known in choices.items():
     if key in m and m[key] not in known:
       fail(f'model.{key}', f'unknown {key} {m[key]!r}; known: {", ".join(known)}')
@@ -181,6 +200,8 @@ def check_config(m: ml_collections.ConfigDict) -> None:
          "scores; use 'auto' (which runs XLA's attention in such layers) or 'xla'")
   if 'lora' in m:
     check_lora(m.lora, m.get('mlp_activation', 'gelu'))
+  if 'quantize_modules' in m:
+    quantize.check_modules(m.quantize_modules)
 
 
 def check_lora(spec, mlp_activation: str) -> None:
@@ -238,17 +259,20 @@ class Spec:
   dropout_rate: float
   decode: bool
   moe: moe_lib.Moe = moe_lib.Moe()
+  quantization: quantize.Quantization = quantize.Quantization()
 
   @classmethod
   def of(cls, module: Transformer) -> 'Spec':
-    direct = {f.name for f in dataclasses.fields(cls)} - {'rope', 'local_rope', 'moe'}
+    direct = {f.name for f in dataclasses.fields(cls)} - {'rope', 'local_rope', 'moe',
+                                                          'quantization'}
     global_rope = rope_lib.Rope(
         module.rope_theta, module.rope_scaling, module.rope_factor, module.rope_low_freq_factor,
         module.rope_high_freq_factor, module.rope_original_max_len, module.rope_beta_fast,
         module.rope_beta_slow, module.rope_attention_factor)
     local_rope = rope_lib.Rope(module.rope_local_theta) if module.rope_local_theta else None
     moe = getattr(module, 'moe', moe_lib.Moe())  # The families that have routed experts.
-    return cls(rope=global_rope, local_rope=local_rope, moe=moe,
+    quantization = quantize.Quantization(module.quantization, tuple(module.quantize_modules))
+    return cls(rope=global_rope, local_rope=local_rope, moe=moe, quantization=quantization,
                **{name: getattr(module, name) for name in direct})
 
 
@@ -266,6 +290,7 @@ class MlpBlock(nn.Module):
   dtype: str = 'float32'
   lora: lora_lib.Lora = lora_lib.Lora()
   deterministic: bool = True
+  quantization: quantize.Quantization = quantize.Quantization()
 
   @nn.compact
   def __call__(self, x_BLD: jax.Array) -> jax.Array:
@@ -323,7 +348,7 @@ class Block(nn.Module):
     drop = lambda y: nn.Dropout(s.dropout_rate)(y, deterministic=self.deterministic)
     attention = dict(num_heads=s.num_heads, head_dim=s.head_size, use_bias=s.use_bias,
                      implementation=s.attention, dtype=s.dtype, lora=s.lora,
-                     deterministic=self.deterministic)
+                     deterministic=self.deterministic, quantization=s.quantization)
 
     def branch(y_BLD, name):  # A branch's output, normalised with post_norms.
       return drop(norm(s, f'{name}_out')(y_BLD) if s.post_norms else y_BLD)
@@ -340,17 +365,18 @@ class Block(nn.Module):
     y_BLD, stats = norm(s, 'ln_mlp')(x_BLD), None
     if self.routed:
       mask_BL = None if segments_BL is None else segments_BL > 0  # Packing's padding: 0.
-      out_BLD, stats = moe_lib.MoeBlock(s.moe, s.mlp_activation, s.dtype, name='moe')(
-          y_BLD, mask_BL)
+      out_BLD, stats = moe_lib.MoeBlock(s.moe, s.mlp_activation, s.dtype, s.quantization,
+                                        name='moe')(y_BLD, mask_BL)
       if s.moe.shared_mlp_dim:  # Qwen2-MoE: a dense expert every token takes, gated.
         gate_D = param(self, 'shared_gate', (y_BLD.shape[-1],), ('embed',), jnp.float32)
         gate_BL = jax.nn.sigmoid(jnp.einsum('BLD,D->BL', y_BLD.astype(jnp.float32), gate_D))
         shared_BLD = MlpBlock(s.moe.shared_mlp_dim, s.mlp_activation, s.use_bias, s.dtype,
-                              s.lora, self.deterministic, name='shared_expert')(y_BLD)
+                              s.lora, self.deterministic, s.quantization,
+                              name='shared_expert')(y_BLD)
         out_BLD = out_BLD + (gate_BL[..., None] * shared_BLD).astype(out_BLD.dtype)
     else:
       out_BLD = MlpBlock(s.mlp_dim, s.mlp_activation, s.use_bias, s.dtype, s.lora,
-                         self.deterministic, name='mlp')(y_BLD)
+                         self.deterministic, s.quantization, name='mlp')(y_BLD)
     x_BLD = x_BLD + branch(out_BLD, 'ln_mlp')
     return nn.with_logical_constraint(x_BLD, ('act_batch', 'act_len', 'act_embed')), stats
 

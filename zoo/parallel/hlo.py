@@ -1,6 +1,8 @@
-"""What a compiled program's HLO says about its communication: the collectives, with the
+"""What a compiled program's HLO says about its communication (the collectives, with the
 mesh axes their device groups span, and the cross-slice (DCN) transfers of a multi-slice
-TPU program, which the TPU compiler emits as host transfers to its megascale runtime."""
+TPU program, which the TPU compiler emits as host transfers to its megascale runtime) and
+its matmuls' operand types (the low-precision ones: model.quantization)."""
+import collections
 import itertools
 import math
 import re
@@ -126,3 +128,16 @@ def collectives(hlo_text: str, mesh: jax.sharding.Mesh) -> list[dict]:
       row['count'] += 1
       row['bytes'] += _bytes(_tuple_elements(m.group(1))[0])
   return sorted(rows.values(), key=lambda r: (r['kind'], r['group_size'] or 0))
+
+
+_DEFINED = re.compile(r'%([\w.\-]+) = (\w+)\[')   # An instruction and its element type.
+_PARAMETER = re.compile(r'([\w.\-]+): (\w+)\[')    # A computation's parameter and its type.
+_MATMUL = re.compile(r'\s(?:dot|convolution)\(%([\w.\-]+), %([\w.\-]+)\)')
+
+
+def matmul_types(hlo_text: str) -> collections.Counter:
+  """How many dots (and convolutions: the TPU compiler's dots) of a compiled module take
+  each pair of operand element types, e.g. {('s8', 's8'): 36, ('bf16', 'bf16'): 6}."""
+  types = dict(_DEFINED.findall(hlo_text))
+  types.update(_PARAMETER.findall(hlo_text))
+  return collections.Counter((types.get(a), types.get(b)) for a, b in _MATMUL.findall(hlo_text))

@@ -22,7 +22,7 @@ import jax
 import ml_collections
 
 from zoo.errors import ConfigError
-from zoo.models import attention
+from zoo.models import attention, quantize
 from zoo.parallel import hlo, sharding, topology
 from zoo.run import config as cfg
 from zoo.run import chunks, memory, perf, rollouts
@@ -158,6 +158,8 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
       'loss': loss and {'chunks': loss.chunks, 'tokens': loss.tokens, 'bytes': loss.logit_bytes,
                         'reason': loss.reason, 'peaks': loss.peaks},
       'experts': _experts_held(setup),
+      'quantization': dict(zip(('quantized', 'kept'), setup_lib.quantized(setup)),
+                           kind=config.model.get('quantization', 'none')),
       'compiled_memory': train.memory, 'eval_memory': evaluate.memory,
       'rollout': dict(rollout_held, memory=rollout.memory) if rollout is not None else None,
       'totals': totals, 'usable_bytes': usable, 'usable_source': usable_source,
@@ -168,6 +170,8 @@ def make_plan(config: ml_collections.ConfigDict, device_memory_gib: float = 0.0,
       'step_cost': perf.step_cost(setup, state, train.program),
       'compile_s': train.seconds, 'eval_compile_s': evaluate.seconds,
       'collectives': hlo.collectives(train.program.as_text(), setup.mesh) if train.program else [],
+      'matmuls': {' x '.join(map(str, types)): n for types, n in hlo.matmul_types(
+          train.program.as_text()).most_common()} if train.program else {},
   }, device_memory_gib)
 
 
@@ -278,6 +282,17 @@ def _loss_lines(p: dict) -> list[str]:
   return [chunks.Choice(held['chunks'], held['tokens'], held['bytes'], held['reason']).line()]
 
 
+def _quantization_lines(p: dict) -> list[str]:
+  """What runs quantized, and the compiled train step's matmuls by operand types (what the
+  compiler kept of it)."""
+  q = p['quantization']
+  line = quantize.summary(q['kind'], q['quantized'], q['kept'])
+  if not line:
+    return []
+  return [line, '  matmuls in the compiled train step, by operand types: ' + ', '.join(
+      f'{n} {types}' for types, n in p['matmuls'].items())]
+
+
 def _experts_lines(p: dict) -> list[str]:
   held = p.get('experts')
   if not held:
@@ -341,7 +356,8 @@ def format_plan(p: dict) -> str:
               f'{p["eval_compile_s"]:.1f} s')
   lines = [f'mesh {p["mesh"]} on {p["devices"]} {p["platform"]} devices{on}; {compiled}', '',
            sharding.format_param_table(p['params']), '', *_hosts(p), *_sequence_lines(p),
-           *_attention_lines(p), *_loss_lines(p), *_experts_lines(p), 'per device:']
+           *_attention_lines(p), *_loss_lines(p), *_quantization_lines(p), *_experts_lines(p),
+           'per device:']
   held = p['bytes_per_device']
   for key, label in (('params', 'parameters'), ('optimizer', 'optimizer state'),
                      ('optimizer_full_fine_tune', '  (a full fine-tune\'s)'),

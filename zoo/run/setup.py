@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from zoo import data, models
-from zoo.models import attention, lora
+from zoo.models import attention, lora, quantize, transformer
 from zoo.data import choice, feed
 from zoo.data.dataset import Dataset
 from zoo.errors import ConfigError
@@ -269,7 +269,11 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
             plan: bool = False) -> Setup:
   """The Setup of a config that config.validate passed, on `devices` (default: all), once
   its data (for a `plan`, but its size), its parameters' shardings and every process's
-  batch rows are checked too (ConfigError if they do not fit). Writes nothing."""
+  batch rows are checked too (ConfigError if they do not fit), and that the devices run
+  the model's low-precision matmuls. Writes nothing."""
+  kind = config.model.get('quantization', 'none')
+  if why := quantize.refusal(kind, (devices or jax.devices())[0]):
+    raise ConfigError(f'config.model.quantization: {kind!r}: {why}')
   dataset = data.load(config.data, config.seed, plan=True) if plan else data.load(config.data,
                                                                                  config.seed)
   cfg.validate_with_data(config, dataset, plan)
@@ -281,6 +285,11 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
   setup = build(config, dataset, devices=devices)
   with setup.scope():
     cfg.validate_shardings(setup.param_table(), setup.mesh, setup.rules)
+  if kind != 'none' and not any(quantized(setup)):
+    raise ConfigError(f'config.model.quantize_modules: {tuple(config.model.quantize_modules)} '
+                      "match none of the model's projection kernels, whose parameter paths "
+                      "are matched in full (e.g. 'blocks/attn/query', 'block_0/mlp/wo'; '.*': "
+                      "all); fix the expressions, or set model.quantization='none'")
   for size in (config.train.batch_size, config.eval.batch_size):
     feed.rows_by_process(setup.batch_sharding, size)  # One block each, or ConfigError.
   if not plan:
@@ -289,6 +298,16 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
         choice.load(spec, dataset.encode, config.data.seq_len, dataset.eos_id)
         for spec in config.eval.get('choice_tasks', ())))
   return setup
+
+
+def quantized(setup: Setup) -> tuple[list, list]:
+  """(the parameter paths whose matmuls the model runs in low precision, those its rules
+  match that stay in the computation dtype) (zoo.models.transformer.quantized); nothing for
+  model.quantization='none' and models without it."""
+  if getattr(setup.model, 'quantization', 'none') == 'none':
+    return [], []
+  with setup.scope():
+    return transformer.quantized(setup.model, [row['path'] for row in setup.param_table()])
 
 
 def _path_name(path: tuple) -> str:

@@ -11,6 +11,7 @@ import ml_collections
 import numpy as np
 
 from zoo.data import choice, feed
+from zoo.models import quantize
 from zoo.errors import NonFiniteError
 from zoo.parallel import sharding
 from zoo.run import config as cfg
@@ -223,6 +224,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: Workdir) -> 
     logging.info('parameters:\n%s', sharding.format_param_table(setup.param_table()))
     if loss_chunks:
       logging.info('%s', loss_chunks.line())
+    if line := quantize.summary(config.model.get('quantization', 'none'),
+                                *setup_lib.quantized(setup)):
+      logging.info('%s', line)
     writer = metrics.MetricWriter(workdir.path, is_main, start,
                                   metrics.tracker(config, workdir.path))
     cleanup.callback(writer.close)
