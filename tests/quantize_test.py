@@ -9,6 +9,7 @@ import collections
 import importlib.util
 import logging
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +18,13 @@ import numpy as np
 import pytest
 
 from conftest import load_config, read_metrics
+from zoo import data
 from zoo.errors import ConfigError
 from zoo.models import quantize
 from zoo.parallel import hlo, topology
 from zoo.run import config as cfg
 from zoo.run import setup as setup_lib
-from zoo.run import train
+from zoo.run import sampling, train
 
 # (forward type's largest magnitude, backward type's, how a scaled value is stored).
 FORMATS = {
@@ -214,6 +216,8 @@ COMPOSED = {
                        {('i8', 'i8'): 42}),  # Attention's 24, the experts' 3 kernels' 18.
     'expert axis': ({'experiment': 'moe_lm', 'arg': 'smoke,ep',
                      'model.grouped_matmul': 'ragged_dot'}, {('i8', 'i8'): 42}),
+    'routed experts in bf16': ({'experiment': 'moe_lm', 'model.grouped_matmul': 'ragged_dot',
+                                'model.dtype': 'bfloat16'}, {('i8', 'i8'): 42}),
 }
 
 
@@ -262,6 +266,51 @@ def test_an_h100_compiles_low_precision_gemms_and_an_a100_refuses_fp8(kind, low)
                                                               'mesh.shape': (1, 1)})
 
 
+@pytest.mark.parametrize('platform,kind,capability,runs', [
+    ('tpu', 'TPU v4', None, ('int8',)), ('tpu', 'TPU v5 lite', None, ('int8',)),
+    ('tpu', 'TPU v5', None, ('int8',)), ('tpu', 'TPU v6 lite', None, ('int8',)),
+    ('tpu', 'TPU7x', None, ('int8', 'fp8')),
+    ('gpu', 'NVIDIA H100 80GB HBM3', '9.0', ('int8', 'fp8')),
+    ('gpu', 'NVIDIA GeForce RTX 4090', '8.9', ('int8', 'fp8')),
+    ('gpu', 'NVIDIA A100-SXM4-80GB', '8.0', ('int8',)),
+    ('gpu', 'Tesla V100-SXM2-16GB', '7.0', ()),
+    ('gpu', 'AMD Instinct MI300X', 'gfx942', ()), ('cpu', 'cpu', None, ('int8', 'fp8'))])
+def test_what_each_device_runs(platform, kind, capability, runs):
+  """fp8 on TPU7x and CUDA 8.9 and up, int8 on every TPU and CUDA 7.5 and up, both
+  emulated on CPUs; each refusal a sentence naming the device and what works there."""
+  device = types.SimpleNamespace(platform=platform, device_kind=kind,
+                                 compute_capability=capability)
+  for quantization in ('int8', 'fp8'):
+    why = quantize.refusal(quantization, device)
+    assert (not why) == (quantization in runs), (quantization, why)
+    assert not why or why.startswith(kind), why
+  assert not quantize.refusal('none', device)
+
+
+def test_sampling_evaluating_and_importing_are_refused_too(monkeypatch, devices):
+  """setup.placed (zoo.sample, zoo.evaluate, zoo.convert import) checks the devices as a run
+  does: an fp8 run sampled where fp8 does not run is refused there, in one line."""
+  del devices
+  monkeypatch.setattr(quantize, 'refusal', lambda kind, device: 'no fp8 here' * (kind == 'fp8'))
+  config = load_config('char_lm', **{'model.quantization': 'fp8'})
+  with pytest.raises(ConfigError, match=r"config\.model\.quantization: 'fp8': no fp8 here"):
+    setup_lib.placed(config, data.load(config.data, config.seed))
+
+
+def test_experts_on_a_kernel_without_quantized_operands_stay_and_are_said(devices):
+  """moe_lm on v5p-8 runs Megablox: its experts' kernels stay in the computation dtype, and
+  the summary says so beside the attention kernels it quantizes."""
+  del devices
+  _, s = _lowered(topology.devices(topology.parse('v5p-8')),
+                  **{'experiment': 'moe_lm', 'model.quantization': 'int8', 'mesh.shape': (4, 1)})
+  quantized, kept = setup_lib.quantized(s)
+  assert all('/attn/' in p for p in quantized) and len(quantized) == 8
+  assert sorted(p.split('/', 1)[1] for p in kept) == ['moe/wi_gate', 'moe/wi_gate', 'moe/wi_up',
+                                                       'moe/wi_up', 'moe/wo', 'moe/wo']
+  assert 'kept in the computation dtype (6: their grouped matmul takes no quantized operands' in (
+      quantize.summary('int8', quantized, kept))
+
+
 def test_rules_that_match_nothing_are_refused(devices):
   del devices
   with pytest.raises(ConfigError, match=r"config\.model\.quantize_modules: \('attention/\.\*',\) "
@@ -284,6 +333,10 @@ def test_checkpoints_restore_across_the_switch_and_the_run_says_what_it_quantize
   assert ("model.quantization='int8': int8 weights and activations, int8 gradients, per-channel "
           'absmax scales, on 12 projection kernels: attn/key (x2), attn/out (x2), attn/query '
           '(x2), attn/value (x2), mlp/wi (x2), mlp/wo (x2)\n') in caplog.text
+  # Decoding with the key/value cache quantizes as the step did (activations per token).
+  cached, recomputed = (sampling.generate(str(tmp_path / 'run'), ['The '], 8, temperature=0.0,
+                                          **kw)[0]['ids'] for kw in ({}, {'decoding': 'recompute'}))
+  assert cached == recomputed
   resumed = train.train_and_evaluate(load_config('char_lm', **{**steps, 'train.steps': 6}),
                                      str(tmp_path / 'run'))
   assert int(resumed.step) == 6
@@ -298,7 +351,8 @@ def test_another_mesh_and_microbatches_give_the_same_first_loss(tmp_path, device
   """The first step's loss of an int8 run on (8, 1), and on (4, 2) in 2 microbatches: the
   same to 2e-4. Scales are per row of activations and per column of kernels, computed at
   each call: no microbatch sees another's (stale) scales (that would be ~1e-2), and how the
-  devices split the rows or heads changes no scale. (Not to float32's 1e-7: a channel's
+  devices split a dense block's rows or heads changes no scale (routed experts' do change
+  with an expert axis: zoo.models.quantize.ragged_dot). (Not to float32's 1e-7: a channel's
   absmax, at the int8 bound's half once scaled, rounds to 127 or -128 as each program's
   fused division rounds: 3e-5 between these.)"""
   del devices

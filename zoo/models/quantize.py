@@ -87,13 +87,18 @@ def _dot(q: Quantization, x: jax.Array, w: jax.Array, numbers) -> jax.Array:
 def ragged_dot(q: Quantization, path: str, rows_ND: jax.Array, w_GDF: jax.Array,
                sizes_G: jax.Array) -> Optional[jax.Array]:
   """jax.lax.ragged_dot of rows sorted by group and their groups' kernels, quantized, in
-  float32; None where `q` does not apply to `path` (the caller's own matmul runs)."""
+  float32; None where `q` does not apply to `path` (the caller's own matmul runs). qwix's
+  ragged_dot scales the kernels per output column over every group given (the experts a
+  device holds): unlike the other matmuls', these scales change with the expert axis."""
   if not q.applies(path):
     return None
   fwd, bwd = TYPES[q.kind]
   config = ragged_dot_qt.RaggedDotQtConfig(lhs_qtype=fwd, rhs_qtype=fwd, dlhs_grad_qtype=bwd,
                                            drhs_grad_qtype=bwd)
-  return ragged_dot_qt.ragged_dot_qt(rows_ND, w_GDF, sizes_G, config, None, jnp.float32)
+  # In float32: its backward returns gradients in its preferred type, float32, which the
+  # casts' own backward turns back into the operands' (bf16 ones would not mix).
+  return ragged_dot_qt.ragged_dot_qt(rows_ND.astype(jnp.float32), w_GDF.astype(jnp.float32),
+                                     sizes_G, config, None, jnp.float32)
 
 
 def not_taken(q: Quantization, path: str, kernel: str) -> None:
@@ -147,7 +152,11 @@ def refusal(kind: str, device: jax.Device) -> str:
       return (f"{device.device_kind} has no fp8 matmuls (TPU7x does); use 'int8', which "
               'its matrix units run')
     return ''
-  capability = float(getattr(device, 'compute_capability', 0) or 0)
+  found = re.fullmatch(r'(\d+)\.(\d+)', str(getattr(device, 'compute_capability', '')))
+  if not found:  # Not an NVIDIA GPU: its fp8 types, if any, are not e4m3fn and e5m2.
+    return (f'{device.device_kind} reports no CUDA compute capability: zoo quantizes for '
+            "NVIDIA GPUs (Turing and up for int8, Ada and Hopper for fp8); use 'none'")
+  capability = float(found.group(0))
   if kind == 'fp8' and capability < 8.9:
     return (f'{device.device_kind} (compute capability {capability:g}) has no fp8 tensor '
             "cores (Ada and Hopper, 8.9 and up, do); use 'int8'")

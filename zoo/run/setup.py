@@ -243,6 +243,7 @@ def placed(config: ml_collections.ConfigDict, dataset: Dataset, mesh_shape: str 
   run goes on one device instead (`doing` names it in the warning). `rows`: a batch's
   rows, replicated where they do not divide over the batch shards."""
   axes, devices = tuple(config.mesh.axes), jax.devices()
+  check_quantization(config, devices[0])
   one = mesh_lib.make_mesh([1] * len(axes), axes, devices[:1])
   logical = build(config, dataset, mesh=one).logical_state.params  # The parameters' names.
   wanted = sharding.for_mesh(config.logical_axis_rules, axes)
@@ -271,9 +272,7 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
   its data (for a `plan`, but its size), its parameters' shardings and every process's
   batch rows are checked too (ConfigError if they do not fit), and that the devices run
   the model's low-precision matmuls. Writes nothing."""
-  kind = config.model.get('quantization', 'none')
-  if why := quantize.refusal(kind, (devices or jax.devices())[0]):
-    raise ConfigError(f'config.model.quantization: {kind!r}: {why}')
+  check_quantization(config, (devices or jax.devices())[0])
   dataset = data.load(config.data, config.seed, plan=True) if plan else data.load(config.data,
                                                                                  config.seed)
   cfg.validate_with_data(config, dataset, plan)
@@ -285,7 +284,7 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
   setup = build(config, dataset, devices=devices)
   with setup.scope():
     cfg.validate_shardings(setup.param_table(), setup.mesh, setup.rules)
-  if kind != 'none' and not any(quantized(setup)):
+  if config.model.get('quantization', 'none') != 'none' and not any(quantized(setup)):
     raise ConfigError(f'config.model.quantize_modules: {tuple(config.model.quantize_modules)} '
                       "match none of the model's projection kernels, whose parameter paths "
                       "are matched in full (e.g. 'blocks/attn/query', 'block_0/mlp/wo'; '.*': "
@@ -298,6 +297,14 @@ def checked(config: ml_collections.ConfigDict, devices: Optional[list] = None,
         choice.load(spec, dataset.encode, config.data.seq_len, dataset.eos_id)
         for spec in config.eval.get('choice_tasks', ())))
   return setup
+
+
+def check_quantization(config: ml_collections.ConfigDict, device: jax.Device) -> None:
+  """ConfigError if `device` cannot run config.model.quantization's matmuls: every command
+  that builds a model (training, plans, sampling, evaluation, imports) runs it."""
+  kind = config.model.get('quantization', 'none')
+  if why := quantize.refusal(kind, device):
+    raise ConfigError(f'config.model.quantization: {kind!r}: {why}')
 
 
 def quantized(setup: Setup) -> tuple[list, list]:
