@@ -23,7 +23,10 @@ zoo / peer in brackets):
                  chunks against none [zoo / zoo: at least 0.95].
   llama-3.2-1b:stream  the same on `data.windows=stream` (windows cut across documents): the
                  ratio of the two is what packed documents cost [at least 0.95].
-  The three Llama rows share one run of the peer.
+  char_lm:1b:fp8, llama-3.2-1b:fp8  the same with model.quantization=fp8 (issue 57): tokens/s
+                 over the bf16 row's [1.15, 1.1] and the last logged training loss over its
+                 [within 1%; run with --steps=300 for the issue's 300 steps].
+  The Llama rows share one run of the peer, and the char_lm:1b rows another.
 zoo runs as a user runs it, one subprocess a row: `python -m zoo.main --config=... --workdir=TMP
 --config.train.steps=N ...`, evals and checkpoints only after the last step (zoo always does
 both there; the workdir, 12 GB for a 1b checkpoint, is deleted after the row). Its tokens/s and
@@ -104,10 +107,27 @@ ROWS = {
                               flags=('--config.model.loss_chunks=1',)),
     # The same on windows cut across documents: packed documents' cost (target: within 5%).
     'llama-3.2-1b:stream': Row('char_lm:1b', 'llama', LLAMA_1B, windows='stream'),
+    # Low-precision matmuls (issue 57): fp8 against the bf16 rows above, same peer.
+    'char_lm:1b:fp8': Row('char_lm:1b', 'nanogpt', Shape(20, 2048, 16, 16, 8192, 128, 16, 1024),
+                          flags=('--config.model.quantization=fp8',)),
+    'llama-3.2-1b:fp8': Row('char_lm:1b', 'llama', LLAMA_1B,
+                            flags=('--config.model.quantization=fp8',)),
 }
-# Ratios of two zoo rows the issue sets targets for: (name, numerator, denominator, at least).
-ZOO_RATIOS = (('auto chunks / whole logits', 'llama-3.2-1b', 'llama-3.2-1b:whole', 0.95),
-              ('packed documents / stream windows', 'llama-3.2-1b', 'llama-3.2-1b:stream', 0.95))
+# Two zoo rows the issues set targets for: (name, numerator, denominator, the figure, the
+# ratio's least, its most).
+ZOO_RATIOS = (
+    ('auto chunks / whole logits', 'llama-3.2-1b', 'llama-3.2-1b:whole', 'tokens_per_s', 0.95,
+     None),
+    ('packed documents / stream windows', 'llama-3.2-1b', 'llama-3.2-1b:stream', 'tokens_per_s',
+     0.95, None),
+    ('fp8 / bf16 tokens/s, char_lm:1b', 'char_lm:1b:fp8', 'char_lm:1b', 'tokens_per_s', 1.15,
+     None),
+    ('fp8 / bf16 tokens/s, Llama-3.2-1B', 'llama-3.2-1b:fp8', 'llama-3.2-1b', 'tokens_per_s', 1.1,
+     None),
+    ('fp8 / bf16 final loss, char_lm:1b', 'char_lm:1b:fp8', 'char_lm:1b', 'final_loss', 0.99,
+     1.01),
+    ('fp8 / bf16 final loss, Llama-3.2-1B', 'llama-3.2-1b:fp8', 'llama-3.2-1b', 'final_loss',
+     0.99, 1.01))
 LLAMA = dict(norm='rms', norm_epsilon=1e-5, mlp_activation='swiglu', positions='rotary',
              rope_theta=500000.0, tie_embeddings=False)
 BPE_VOCAB, SMOKE_BPE_VOCAB = 32768, 512
@@ -264,6 +284,7 @@ def run_zoo(row: Row, s: Shape, args, scratch: str, data_dir: str) -> dict:
     with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
       metrics = [r for r in map(json.loads, f) if 'perf/tokens_per_s' in r]
     result['tokens_per_s'] = median_after_first([r['perf/tokens_per_s'] for r in metrics])
+    result['final_loss'] = metrics[-1].get('train/loss') if metrics else None
     result['mfu'] = median_after_first([r.get('perf/mfu') for r in metrics])
     with open(os.path.join(workdir, 'config.json'), encoding='utf-8') as f:
       result['model'] = json.load(f)['model']  # The resolved config.model: what ran.
@@ -496,7 +517,7 @@ def bench(args) -> None:
         f'{args.log_every} after the first' + (' [--smoke: tiny shapes]' if args.smoke else ''))
   print(format_table(results))
   ratios = zoo_ratios(results)
-  print('\n'.join([f'{r["name"]} (zoo): {r["ratio"]:.3f}, target >= {r["target"]}'
+  print('\n'.join([f'{r["name"]} (zoo): {r["ratio"]:.3f}, target {r["target"]}'
                    for r in ratios]
                   + [f'{n}: zoo / {ROWS[n].peer} {r["ratio"]:.2f}, target >= {r["target"]}'
                      for n, r in results.items() if r['target'] and r['ratio']]
@@ -508,10 +529,14 @@ def bench(args) -> None:
 
 def zoo_ratios(results: dict) -> list:
   """ZOO_RATIOS of the rows measured: zoo against itself at another setting, same run."""
-  speed = lambda n: results.get(n, {}).get('zoo', {}).get('tokens_per_s')
-  return [{'name': name, 'ratio': speed(a) / speed(b), 'target': at_least,
-           'met': speed(a) / speed(b) >= at_least}
-          for name, a, b, at_least in ZOO_RATIOS if speed(a) and speed(b)]
+  out = []
+  for name, a, b, key, least, most in ZOO_RATIOS:
+    top, bottom = (results.get(n, {}).get('zoo', {}).get(key) for n in (a, b))
+    if top and bottom:
+      ratio = top / bottom
+      out.append({'name': name, 'ratio': ratio, 'target': f'>= {least}' + (
+          f', <= {most}' if most else ''), 'met': least <= ratio <= (most or float('inf'))})
+  return out
 
 
 def save(info: dict, peak: float | None, args, results: dict, notes: list,

@@ -38,6 +38,9 @@ Three tables (and pod_plans.json):
   smallest batch, and the largest batch), CP3 v5p-64 at 131,072 without a context axis;
   and the train step's compile time on CP1's pod with and without the context axis
   (`--only=long`).
+- quant: issue 57's, Llama-3-8B shapes at 8,192 tokens with model.quantization: int8 on
+  v6e-256 and v5p-128, fp8 on TPU7x, beside bf16 there: the largest batch per device, its
+  peak and the compiled step's matmuls by operand types (`--only=quant`).
 """
 import argparse
 import json
@@ -330,6 +333,35 @@ def long_config(seq, context, batch):
   return c
 
 
+# Issue 57's rows: (target, model.quantization, MaxText's bf16 batch per chip there).
+QUANT = [('v6e-256', 'none', 7), ('v6e-256', 'int8', 7), ('v5p-128', 'none', 15),
+         ('v5p-128', 'int8', 15), ('tpu7x:4x4x4', 'none', None), ('tpu7x:4x4x4', 'fp8', None)]
+
+
+def quant(out):
+  """Issue 57's plans: Llama-3-8B shapes at 8,192 tokens (long_config's: FSDP, full remat,
+  scanned layers, splash, bf16 compute, the lean loss chunks) in bf16 and with low-precision
+  matmuls (int8 on v6e-256 and v5p-128; fp8 on TPU7x, the generation that has it): the
+  largest batch per device and its peak, and the compiled step's matmuls by operand types
+  (one row a device). MaxText's bf16 batches: 7 per chip on v6e-256, 15 on v5p-128."""
+  from zoo.run import plan  # pylint: disable=import-outside-toplevel
+  from zoo.parallel import topology
+  for name, kind, maxtext in QUANT:
+    target = topology.parse(name)
+    devices = len(topology.devices(target))
+    c = long_config(8192, 1, devices * (maxtext or 1))  # The search starts at MaxText's.
+    c.model.quantization = kind
+    found = plan.max_batch(c, target=target)
+    c.train.batch_size = c.eval.batch_size = devices
+    p = plan.make_plan(c, target=target)
+    _save_row(out, 'quant', {
+        'target': name, 'quantization': kind, 'maxtext_bf16_batch_per_chip': maxtext,
+        'zoo_batch_per_device': found['batch_per_device'],
+        'peak_gib': round((found['peak'] or 0) / 2**30, 2), 'compiles': found['compiles'],
+        'search_s': round(found['seconds']), 'other_refusals': found['other_refusals'],
+        'matmuls': p['matmuls'], 'quantized_kernels': len(p['quantization']['quantized'])})
+
+
 def long(out):
   """Issue #42's CP1-CP3: the peak at MaxText's batch, the largest batch (CP1, CP2), the
   collectives, and the compile time against the same pod's step without a context axis."""
@@ -434,7 +466,7 @@ def main():
     if not args.resume:
       out.pop(section, None)
     {'plans': plans, 'cpu': cpu, 'maxtext': maxtext, 'vocab': vocab, 'moe': moe,
-     'grpo': grpo, 'long': long}[section](out)
+     'grpo': grpo, 'long': long, 'quant': quant}[section](out)
     with open(args.json, 'w', encoding='utf-8') as f:
       json.dump({k: v for k, v in out.items() if k != '_path'}, f, indent=2)
   import tables  # pylint: disable=import-outside-toplevel  # benchmarks/tables.py
