@@ -346,10 +346,16 @@ def quant(out):
   (one row a device). MaxText's bf16 batches: 7 per chip on v6e-256, 15 on v5p-128."""
   from zoo.run import plan  # pylint: disable=import-outside-toplevel
   from zoo.parallel import topology
+  done = {(r['target'], r['quantization']) for r in out.get('quant', [])}  # --resume.
   for name, kind, maxtext in QUANT:
+    if (name, kind) in done:
+      continue
     target = topology.parse(name)
     devices = len(topology.devices(target))
-    c = long_config(8192, 1, devices * (maxtext or 1))  # The search starts at MaxText's.
+    bf16 = [r['zoo_batch_per_device'] for r in out.get('quant', [])
+            if r['target'] == name and r['quantization'] == 'none']
+    start = maxtext or (bf16[0] if bf16 else 1)  # MaxText's, else this pod's bf16 figure.
+    c = long_config(8192, 1, devices * start)
     c.model.quantization = kind
     found = plan.max_batch(c, target=target)
     c.train.batch_size = c.eval.batch_size = devices

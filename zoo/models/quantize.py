@@ -16,9 +16,9 @@ table writes it: 'blocks/attn/query', 'block_3/mlp/wo', 'blocks/moe/wi_gate') on
 `model.quantize_modules`' regular expressions matches in full: attention's query, key,
 value and out, the MLP's (and a shared expert's), and routed experts' grouped matmuls where
 their kernel is jax.lax.ragged_dot or blocks at a capacity (Megablox and Mosaic GPU take
-no quantized operands: those stay in the computation dtype, said once). Never: the embedding, the LM head,
-routers, norms, attention's scores and weighted values (activations times activations),
-LoRA's adapters.
+no quantized operands: those stay in the computation dtype, said once). Never: the
+embedding, the LM head, routers, norms, attention's scores and weighted values (activations
+times activations), LoRA's adapters.
 
 Built on qwix's quantized-training ops (dot_general_qt, ragged_dot_qt), called here at
 zoo's one projection einsum: qwix's model interception tells weights from activations by

@@ -55,7 +55,8 @@ class Choice:
 
   def line(self) -> str:
     return (f'loss: logits of {self.chunks} chunk(s) of {self.tokens:,} tokens in turn, one '
-            f'live at a time: {memory.size_text(self.logit_bytes)} per device (float32); {self.reason}')
+            f'live at a time: {memory.size_text(self.logit_bytes)} per device (float32); '
+            f'{self.reason}')
 
 
 def logit_bytes(setup: setup_lib.Setup, chunks: int, rows: Optional[int] = None) -> int:
